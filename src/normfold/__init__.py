@@ -1,0 +1,18 @@
+"""normfold: turn LayerNorm Transformers into arithmetically equivalent (C)RMSNorm models, prove it,
+and run them faster. See README.md and DESIGN.md.
+
+    import normfold
+    converted, report = normfold.convert(model, to="rmsnorm")
+    normfold.save(converted, report, "out-dir")
+    model = normfold.load("out-dir")
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .errors import NormfoldError  # noqa: E402
+from .convert import convert  # noqa: E402  (the function shadows the submodule name on purpose)
+from .io import load, save  # noqa: E402
+
+__all__ = ["__version__", "NormfoldError", "convert", "load", "save"]

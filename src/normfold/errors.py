@@ -1,0 +1,43 @@
+"""Errors a user can cause. The CLI prints their message (no traceback) and exits with `exit_code`."""
+
+from __future__ import annotations
+
+
+class NormfoldError(Exception):
+    """Base class: a problem with the user's input or environment, with a message saying what to do."""
+
+    exit_code = 2
+
+
+class ModelNotFoundError(NormfoldError):
+    """The MODEL argument names no directory we can read and no hub model we could fetch."""
+
+
+class NotAModelError(NormfoldError):
+    """A directory exists but holds no Hugging Face model (no usable config.json / weights)."""
+
+
+class UnsupportedModelError(NormfoldError):
+    """No adapter describes this architecture."""
+
+
+class UnsupportedConversionError(NormfoldError):
+    """The adapter exists but cannot do what was asked (variant, option, configuration)."""
+
+
+class NonFiniteWeightsError(NormfoldError):
+    """The model has NaN or infinite parameters; no conversion can be exact."""
+
+
+class OutputExistsError(NormfoldError):
+    """The output directory exists and --force was not given."""
+
+
+class CheckpointError(NormfoldError):
+    """A saved normfold checkpoint is missing files or is inconsistent."""
+
+
+class VerificationFailedError(NormfoldError):
+    """The converted model's outputs differ from the original's beyond tolerance."""
+
+    exit_code = 1
