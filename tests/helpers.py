@@ -1,0 +1,47 @@
+"""Helpers for building tiny random models whose conversion is a real test.
+
+Freshly initialised HF models have LayerNorm γ = 1, β = 0 and zero biases, which would let a
+wrong fold go unnoticed; `perturb_norms` and `perturb_biases` make every affine and bias matter.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def perturb_norms(model: nn.Module, scale: float = 0.5, generator: torch.Generator | None = None) -> nn.Module:
+    g = generator or torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                if m.weight is not None:
+                    m.weight.copy_(1 + scale * torch.randn(m.weight.shape, generator=g))
+                if m.bias is not None:
+                    m.bias.copy_(scale * torch.randn(m.bias.shape, generator=g))
+    return model
+
+
+def perturb_biases(model: nn.Module, scale: float = 0.1, generator: torch.Generator | None = None) -> nn.Module:
+    g = generator or torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") and p.dim() == 1:
+                p.add_(scale * torch.randn(p.shape, generator=g))
+    return model
+
+
+def add_mean_offsets(model: nn.Module, scale: float = 2.0, generator: torch.Generator | None = None) -> nn.Module:
+    """Give embedding rows a large common offset, like GPT-2's real residual stream (whose mean is far
+    from zero): centring must remove it exactly."""
+    g = generator or torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.Embedding):
+                m.weight.add_(scale * torch.randn(m.weight.shape[0], 1, generator=g))
+    return model
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
