@@ -1,0 +1,98 @@
+"""Pure tensor algebra behind every conversion (DESIGN.md "The algebra"). No model knowledge.
+
+Every function computes in float64 and casts the result back to the input dtype once, so
+repeated edits of one tensor do not accumulate low-precision rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _f64(t: Tensor) -> Tensor:
+    return t.detach().to(torch.float64)
+
+
+def center(t: Tensor, dim: int) -> Tensor:
+    """t minus its mean along `dim` (the centering matrix C applied on that axis)."""
+    t64 = _f64(t)
+    return (t64 - t64.mean(dim=dim, keepdim=True)).to(t.dtype)
+
+
+def center_writer(weight: Tensor, bias: Tensor | None, out_dim: int) -> tuple[Tensor, Tensor | None]:
+    """Make y = f(x; weight, bias) zero-mean over its output features for every x (Lemma 3.1, CCWT).
+
+    `out_dim` is the weight axis that indexes output features: 0 for nn.Linear (out, in) and
+    nn.ConvNd (out, in, ...), 1 for HF Conv1D (in, out) and for embedding tables (rows are
+    outputs), -1 for a plain parameter added to the stream. W ← W·C over that axis, b ← b − μ(b).
+    """
+    new_w = center(weight, out_dim)
+    new_b = None if bias is None else center(bias, -1)
+    return new_w, new_b
+
+
+def fold_affine(weight: Tensor, bias: Tensor | None, gamma: Tensor | None, beta: Tensor | None,
+                in_dim: int) -> tuple[Tensor, Tensor | None]:
+    """Fold a norm's output affine γ⊙n + β into a linear reader of that norm.
+
+    Reader y = x·W + b with x = γ⊙n + β gives y = n·diag(γ)W + (βW + b). `in_dim` is the weight
+    axis that indexes input features (1 for nn.Linear's (out, in), 0 for HF Conv1D's (in, out)).
+    Returns (W', b'); b' is None only if `bias` is None and β is None. A nonzero β with no reader
+    bias yields a new bias tensor: the caller decides whether the module may grow one.
+    """
+    w64 = _f64(weight)
+    if weight.dim() != 2:
+        raise ValueError(f"fold_affine expects a 2-D weight, got shape {tuple(weight.shape)}")
+    in_dim = in_dim % 2
+    new_b = None
+    if beta is not None:
+        shift = torch.tensordot(w64, _f64(beta), dims=([in_dim], [0]))  # βW, shape (out,)
+        new_b = shift if bias is None else _f64(bias) + shift
+        new_b = new_b.to(bias.dtype if bias is not None else weight.dtype)
+    elif bias is not None:
+        new_b = bias.detach().clone()
+    if gamma is not None:
+        shape = [1, 1]
+        shape[in_dim] = -1
+        w64 = w64 * _f64(gamma).reshape(shape)
+    return w64.to(weight.dtype), new_b
+
+
+def compress_reader(weight: Tensor, in_dim: int) -> Tensor:
+    """Reader of a zero-mean input x ∈ ℝ^d fed only x[:d−1] (paper 001 eq. 6): W_i ← W_i − a_d 1ᵀ,
+    then drop the now-zero last input column. x_d = −Σ others makes this exact."""
+    w64 = _f64(weight).movedim(in_dim, -1)
+    out = (w64[..., :-1] - w64[..., -1:]).movedim(-1, in_dim)
+    return out.to(weight.dtype)
+
+
+def decompress_reader(weight: Tensor, in_dim: int) -> Tensor:
+    """Inverse of `compress_reader` (paper 001 App. C step 3 with a_d = 0): append a zero input column."""
+    w = weight.detach().movedim(in_dim, -1)
+    zero = torch.zeros(*w.shape[:-1], 1, dtype=w.dtype, device=w.device)
+    return torch.cat([w, zero], dim=-1).movedim(-1, in_dim)
+
+
+def compress_writer(weight: Tensor, bias: Tensor | None, out_dim: int) -> tuple[Tensor, Tensor | None]:
+    """Writer of a zero-mean output: drop the last (redundant) output coordinate."""
+    w = weight.detach().movedim(out_dim, -1)[..., :-1].movedim(-1, out_dim).clone()
+    return w, (None if bias is None else bias.detach()[..., :-1].clone())
+
+
+def decompress_writer(weight: Tensor, bias: Tensor | None, out_dim: int) -> tuple[Tensor, Tensor | None]:
+    """Inverse of `compress_writer`: restore the last output coordinate as −Σ of the others."""
+    def restore(t: Tensor, dim: int) -> Tensor:
+        t64 = _f64(t).movedim(dim, -1)
+        return torch.cat([t64, -t64.sum(-1, keepdim=True)], dim=-1).movedim(-1, dim).to(t.dtype)
+
+    return restore(weight, out_dim), (None if bias is None else restore(bias, -1))
+
+
+def fold_offline_norm(weight: Tensor, bias: Tensor | None, scale: Tensor, shift: Tensor,
+                      in_dim: int) -> tuple[Tensor, Tensor]:
+    """Fold a fixed per-channel affine z = x·scale + shift (an inference-time offline norm,
+    paper 004 Algorithm 1) into the linear that reads z: W' = diag(scale)W, b' = b + shift·W."""
+    new_w, new_b = fold_affine(weight, bias, scale, shift, in_dim)
+    assert new_b is not None
+    return new_w, new_b
