@@ -1,0 +1,201 @@
+"""The adapter interface: a small description of an architecture's residual stream(s).
+
+An adapter turns a model instance into a `ConversionPlan`: for each residual stream, the
+*writers* whose outputs add into it (embedding tables, residual-branch output projections, stem
+convolutions, parameters such as a cls token), and the *norm sites* that read it (each LayerNorm
+with the linear modules reading its output). The converter needs nothing else: it centres the
+writers, folds each norm's affine into its readers and swaps the norm.
+
+Most families are one `StreamTemplate` (paths relative to the base model, `{i}`-free: the block
+list is expanded per layer). Families whose layout depends on the config (parallel residual,
+post-LN variants, ...) write a `plan(model)` function that builds templates or plans directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class NormSite:
+    """A LayerNorm whose input is a zero-mean stream (so it may become an RMSNorm).
+
+    `readers`: every module that reads this norm's output, when all of them are linear (then the
+    norm's affine can be folded into them). Leave empty when the output goes elsewhere (it becomes
+    the stream, or a model output): the affine then stays in the RMSNorm.
+    `final`: the output is a model output (last_hidden_state, ...); its affine is kept unless the
+    user asks to fold the final norm into the heads.
+    """
+
+    path: str
+    readers: tuple[str, ...] = ()
+    final: bool = False
+
+
+@dataclass(frozen=True)
+class KeptNorm:
+    path: str
+    reason: str
+
+
+@dataclass
+class StreamPlan:
+    """One residual stream, with concrete module/parameter paths from the model root."""
+
+    name: str
+    writers: list[str] = field(default_factory=list)
+    norms: list[NormSite] = field(default_factory=list)
+    # Modules whose output must be recentred explicitly (a non-linear stem, a norm sitting on the
+    # stream with an affine): their output is added to / becomes the stream but is not zero-mean.
+    recenter_after: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ConversionPlan:
+    adapter: str
+    streams: list[StreamPlan] = field(default_factory=list)
+    kept: list[KeptNorm] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    # False when the converted checkpoint cannot be read by stock transformers (explicit Recenter
+    # ops, added biases, a different hidden size).
+    stock_reloadable: bool = True
+    # Model outputs (fnmatch patterns over verify's flattened names) that carry a residual stream
+    # and are therefore returned recentred, beyond the default '*hidden_states[i]'.
+    centered_outputs: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class BlockTemplate:
+    """Paths relative to one block: norms with their readers, and the branch output projections."""
+
+    norms: tuple[tuple[str, tuple[str, ...]], ...]
+    writers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StreamTemplate:
+    """A residual stream described by paths relative to `root` (itself below the base model).
+
+    `final_readers` are relative to the model root (heads live there); those absent from a given
+    head class are skipped, so one template covers the base model and every head.
+    """
+
+    name: str
+    sources: tuple[str, ...]
+    layers: str
+    block: BlockTemplate
+    final_norm: str | None = None
+    final_readers: tuple[str, ...] = ()
+    root: str = ""
+
+    def expand(self, model: nn.Module) -> StreamPlan:
+        base = join(base_prefix(model), self.root)
+        layers = get(model, join(base, self.layers))
+        plan = StreamPlan(name=self.name, writers=[join(base, s) for s in self.sources])
+        for i in range(len(layers)):
+            blk = join(base, self.layers, str(i))
+            for norm, readers in self.block.norms:
+                plan.norms.append(NormSite(join(blk, norm), tuple(join(blk, r) for r in readers)))
+            plan.writers.extend(join(blk, w) for w in self.block.writers)
+        if self.final_norm is not None:
+            readers = tuple(r for r in self.final_readers if exists(model, r))
+            plan.norms.append(NormSite(join(base, self.final_norm), readers, final=True))
+        return plan
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an adapter's conversions support (TransformerLens-style flags, shown in docs/tables)."""
+
+    variants: tuple[str, ...] = ("rmsnorm",)
+    stock_reloadable: bool = True
+    parallel_residual: bool = False
+    post_ln: bool = False
+
+
+def _default_inputs(model: nn.Module, generator: torch.Generator, batch: int = 2, seq: int = 16) -> dict:
+    cfg = model.config
+    vocab = cfg.vocab_size
+    max_pos = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None) or seq
+    seq = max(2, min(seq, max_pos))
+    if type(model).__name__.endswith("ForSequenceClassification") and getattr(cfg, "pad_token_id", None) is None:
+        batch = 1  # HF cannot find the last token of a padded batch without a pad token
+    ids = torch.randint(0, vocab, (batch, seq), generator=generator)
+    return {"input_ids": ids}
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """How to convert one architecture family.
+
+    `model_types`: HF `config.model_type` values handled (covers every head class of a family).
+    `model_classes`: extra class names (for non-HF models or one-off classes).
+    `plan`: model -> ConversionPlan; `check`: raise UnsupportedConversionError for configurations
+    the adapter cannot convert exactly; `example_inputs`: (model, generator) -> forward kwargs.
+    """
+
+    name: str
+    display_name: str
+    plan: Callable[[nn.Module], ConversionPlan]
+    model_types: tuple[str, ...] = ()
+    model_classes: tuple[str, ...] = ()
+    example_inputs: Callable[[nn.Module, torch.Generator], dict] = _default_inputs
+    check: Callable[[nn.Module], None] | None = None
+    capabilities: Capabilities = Capabilities()
+
+    def matches(self, model: nn.Module) -> bool:
+        if type(model).__name__ in self.model_classes:
+            return True
+        cfg = getattr(model, "config", None)
+        return getattr(cfg, "model_type", None) in self.model_types
+
+
+def template_adapter(name: str, display_name: str, *templates: StreamTemplate, notes: tuple[str, ...] = (),
+                     **kwargs) -> Adapter:
+    """An adapter whose plan is just the expansion of fixed stream templates."""
+
+    def plan(model: nn.Module) -> ConversionPlan:
+        return ConversionPlan(adapter=name, streams=[t.expand(model) for t in templates], notes=list(notes))
+
+    return Adapter(name=name, display_name=display_name, plan=plan, **kwargs)
+
+
+# ---- path helpers -------------------------------------------------------------------------------
+
+def join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def base_prefix(model: nn.Module) -> str:
+    """'transformer' for GPT2LMHeadModel, '' for GPT2Model itself (HF `base_model_prefix`)."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    if prefix and isinstance(getattr(model, prefix, None), nn.Module):
+        return prefix
+    return ""
+
+
+def get(model: nn.Module, path: str):
+    """The module or parameter at a dotted path (raises AttributeError with the path)."""
+    obj = model
+    for part in path.split(".") if path else []:
+        if not hasattr(obj, part):
+            raise AttributeError(f"{type(model).__name__} has no '{path}' (missing '{part}')")
+        obj = getattr(obj, part)
+    return obj
+
+
+def exists(model: nn.Module, path: str) -> bool:
+    try:
+        get(model, path)
+        return True
+    except AttributeError:
+        return False
+
+
+def parent_and_leaf(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+    head, _, leaf = path.rpartition(".")
+    return (get(model, head) if head else model), leaf

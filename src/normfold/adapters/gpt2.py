@@ -1,0 +1,38 @@
+"""GPT-2 (transformers `GPT2Model` and every GPT-2 head).
+
+Stream: x0 = wte[ids] + wpe[pos] (+ wte[token_type_ids]); per block, ln_1 → attn.c_attn and
+ln_2 → mlp.c_fc read it, attn.c_proj and mlp.c_proj write to it (HF Conv1D, (in, out) layout);
+ln_f feeds the model output and the heads. lm_head is tied to wte: centring wte unties them.
+"""
+
+from __future__ import annotations
+
+from ..errors import UnsupportedConversionError
+from .base import BlockTemplate, Capabilities, StreamTemplate, template_adapter
+
+GPT2_STREAM = StreamTemplate(
+    name="decoder",
+    sources=("wte", "wpe"),
+    layers="h",
+    block=BlockTemplate(
+        norms=(("ln_1", ("attn.c_attn",)), ("ln_2", ("mlp.c_fc",))),
+        writers=("attn.c_proj", "mlp.c_proj"),
+    ),
+    final_norm="ln_f",
+    final_readers=("lm_head", "score", "classifier", "qa_outputs", "multiple_choice_head.summary"),
+)
+
+
+def _check(model) -> None:
+    if getattr(model.config, "add_cross_attention", False):
+        raise UnsupportedConversionError(
+            "GPT-2 with add_cross_attention=True reads an external encoder stream through "
+            "ln_cross_attn/crossattention; normfold's GPT-2 adapter does not describe that stream yet.")
+
+
+ADAPTER = template_adapter(
+    "gpt2", "GPT-2", GPT2_STREAM,
+    model_types=("gpt2",),
+    check=_check,
+    capabilities=Capabilities(variants=("rmsnorm",), stock_reloadable=True),
+)

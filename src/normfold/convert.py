@@ -1,0 +1,364 @@
+"""The conversion orchestrator: model + adapter plan -> converted model + report.
+
+    converted, report = normfold.convert(model, to="rmsnorm")
+
+Steps (each a small function below): check the input, ask the adapter for the residual-stream
+plan, untie parameters that will be edited, centre every stream writer, fold each norm's affine
+into its linear readers, swap LayerNorm -> RMSNorm (same eps), then verify against the original
+(float64 exactness and working-dtype error, see `normfold.verify`).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from . import algebra
+from .adapters import Adapter, ConversionPlan, NormSite, find_adapter
+from .adapters.base import get, parent_and_leaf
+from .errors import NonFiniteWeightsError, UnsupportedConversionError
+from .nn import RMSNorm
+from .nn.hooks import add_output_recenter
+from .report import ConversionReport, NormRecord, Structure
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """How to convert.
+
+    keep_affine: keep every norm's γ/β inside the RMSNorm instead of folding them into readers.
+    fold_final: also fold final norms (ln_f, ...) into their linear heads; the model's normalized
+        last hidden state then lacks the affine (logits are unchanged).
+    allow_new_bias: let a reader without a bias grow one to absorb β (breaks stock reloading);
+        by default β stays in the RMSNorm when some reader has no bias.
+    """
+
+    keep_affine: bool = False
+    fold_final: bool = False
+    allow_new_bias: bool = False
+
+
+@dataclass
+class Variant:
+    """A conversion target registered under `to=` (rmsnorm; later issues add more)."""
+
+    name: str
+    description: str
+    apply: Callable[[nn.Module, ConversionPlan, ConvertOptions, ConversionReport], None]
+    exact: bool = True  # output-equivalent to the original (then float64 verification applies)
+
+
+VARIANTS: dict[str, Variant] = {}
+
+
+def register_variant(variant: Variant) -> Variant:
+    VARIANTS[variant.name] = variant
+    return variant
+
+
+# ---- checks -----------------------------------------------------------------------------------
+
+def check_finite(model: nn.Module) -> None:
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and not torch.isfinite(p).all():
+            bad = (~torch.isfinite(p)).sum().item()
+            raise NonFiniteWeightsError(
+                f"parameter {name} has {bad} NaN/inf value(s); no conversion of it can be exact. "
+                "Fix or re-download the checkpoint.")
+
+
+def is_layernorm(module: nn.Module) -> bool:
+    return isinstance(module, nn.LayerNorm)
+
+
+def layernorm_names(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if is_layernorm(m)]
+
+
+def working_dtype(model: nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+# ---- parameter surgery ---------------------------------------------------------------------------
+
+def _params_of(model: nn.Module, path: str) -> list[nn.Parameter]:
+    obj = get(model, path)
+    if isinstance(obj, nn.Parameter):
+        return [obj]
+    lay = algebra.layout_of(obj)
+    if lay is None:
+        return []
+    out = [getattr(obj, lay.weight)]
+    if lay.bias and getattr(obj, lay.bias, None) is not None:
+        out.append(getattr(obj, lay.bias))
+    return out
+
+
+def untie(model: nn.Module, params: list[nn.Parameter]) -> list[str]:
+    """Give every alias of each shared parameter in `params` its own copy; returns alias names."""
+    targets = {id(p) for p in params}
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in targets:
+            aliases.setdefault(id(p), []).append(name)
+    untied = []
+    for names in aliases.values():
+        if len(names) < 2:
+            continue
+        for name in names:
+            parent, leaf = parent_and_leaf(model, name)
+            old = getattr(parent, leaf)
+            setattr(parent, leaf, nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad))
+            untied.append(name)
+    if untied:
+        disable_weight_tying(model)
+    return untied
+
+
+def disable_weight_tying(model: nn.Module) -> None:
+    """Tell transformers the embeddings are no longer tied (config, and its cached tie map)."""
+    for module in model.modules():
+        cfg = getattr(module, "config", None)
+        if cfg is None:
+            continue
+        for c in {id(cfg): cfg, **{id(s): s for s in _sub_configs(cfg)}}.values():
+            if getattr(c, "tie_word_embeddings", False):
+                c.tie_word_embeddings = False
+        if hasattr(module, "get_expanded_tied_weights_keys") and hasattr(module, "all_tied_weights_keys"):
+            module.all_tied_weights_keys = module.get_expanded_tied_weights_keys(all_submodels=False)
+
+
+def _sub_configs(cfg) -> list:
+    subs = []
+    for key in getattr(cfg, "sub_configs", {}) or {}:
+        sub = getattr(cfg, key, None)
+        if sub is not None:
+            subs.append(sub)
+    return subs
+
+
+def _set(param: nn.Parameter, value: torch.Tensor) -> None:
+    with torch.no_grad():
+        param.copy_(value)
+
+
+def center_writer(model: nn.Module, path: str) -> int:
+    """Make the output of the writer at `path` zero-mean over the stream axis. Returns #tensors edited."""
+    obj = get(model, path)
+    if isinstance(obj, nn.Parameter):
+        _set(obj, algebra.center(obj, -1))
+        return 1
+    lay = algebra.layout_of(obj)
+    if lay is None:
+        raise UnsupportedConversionError(
+            f"stream writer {path} is a {type(obj).__name__}, which normfold cannot centre "
+            "(register its weight layout with normfold.algebra.register_layout)")
+    weight = getattr(obj, lay.weight)
+    bias = getattr(obj, lay.bias, None) if lay.bias else None
+    new_w, new_b = algebra.center_writer(weight, bias, lay.out_dim)
+    _set(weight, new_w)
+    if bias is not None:
+        _set(bias, new_b)
+    return 1 + (bias is not None)
+
+
+def _is_zero(t: torch.Tensor | None) -> bool:
+    return t is None or not bool(t.detach().ne(0).any())
+
+
+def _reader_bias(reader: nn.Module) -> torch.Tensor | None:
+    lay = algebra.layout_of(reader)
+    return getattr(reader, lay.bias, None) if lay.bias else None
+
+
+def swap_norm(model: nn.Module, site: NormSite, fold: bool, options: ConvertOptions,
+              norm_cls: type[nn.Module] = RMSNorm) -> tuple[NormRecord, int, list[str]]:
+    """Replace the LayerNorm at `site` by `norm_cls`, folding its affine into the readers if `fold`.
+
+    Returns (record, tensors edited, modules that grew a bias)."""
+    ln = get(model, site.path)
+    if not is_layernorm(ln):
+        raise UnsupportedConversionError(
+            f"{site.path} is a {type(ln).__name__}, not a LayerNorm; the adapter's plan does not match this model")
+    if len(ln.normalized_shape) != 1:
+        raise UnsupportedConversionError(f"{site.path} normalizes over {tuple(ln.normalized_shape)}; "
+                                         "only last-dimension norms can be converted")
+    gamma = ln.weight
+    beta = None if _is_zero(getattr(ln, "bias", None)) else ln.bias
+    readers = [get(model, r) for r in site.readers]
+    edited, grown = 0, []
+    fold = fold and bool(readers) and all(algebra.is_linear_reader(r) for r in readers)
+    fold_beta = fold and beta is not None and (
+        options.allow_new_bias or all(_reader_bias(r) is not None for r in readers))
+    # γ alone may be folded only when no β stays behind: the norm would then have to output n + β/γ.
+    fold_gamma = fold and gamma is not None and (beta is None or fold_beta)
+    if fold_gamma or fold_beta:
+        for path, reader in zip(site.readers, readers):
+            lay = algebra.layout_of(reader)
+            w = getattr(reader, lay.weight)
+            b = _reader_bias(reader)
+            new_w, new_b = algebra.fold_affine(w, b, gamma if fold_gamma else None,
+                                               beta if fold_beta else None, lay.in_dim)
+            _set(w, new_w)
+            edited += 1
+            if new_b is not None and b is None:
+                setattr(reader, lay.bias, nn.Parameter(new_b, requires_grad=w.requires_grad))
+                grown.append(path)
+                edited += 1
+            elif new_b is not None and fold_beta:
+                _set(b, new_b)
+                edited += 1
+    keep_w = gamma is not None and not fold_gamma
+    keep_b = beta is not None and not fold_beta
+    new = norm_cls.from_layernorm(ln, keep_weight=keep_w, keep_bias=keep_b)
+    parent, leaf = parent_and_leaf(model, site.path)
+    setattr(parent, leaf, new)
+    record = NormRecord(name=site.path, type=norm_cls.__name__, eps=float(ln.eps), weight=keep_w, bias=keep_b,
+                        folded_into=list(site.readers) if (fold_gamma or fold_beta) else [],
+                        stock_weight=ln.weight is not None, stock_bias=getattr(ln, "bias", None) is not None)
+    return record, edited, grown
+
+
+# ---- the rmsnorm variant ---------------------------------------------------------------------------
+
+def _edited_params(model: nn.Module, plan: ConversionPlan, options: ConvertOptions) -> list[nn.Parameter]:
+    params: list[nn.Parameter] = []
+    for stream in plan.streams:
+        for w in stream.writers:
+            params += _params_of(model, w)
+        for site in stream.norms:
+            if _will_fold(site, options):
+                for r in site.readers:
+                    params += _params_of(model, r)
+    return params
+
+
+def _will_fold(site: NormSite, options: ConvertOptions) -> bool:
+    return not options.keep_affine and bool(site.readers) and (not site.final or options.fold_final)
+
+
+def apply_rmsnorm(model: nn.Module, plan: ConversionPlan, options: ConvertOptions,
+                  report: ConversionReport) -> None:
+    """Pre-LN -> Pre-RMSNorm on `model` in place (paper 001 §3.1), recording what was done."""
+    structure = report.structure
+    structure.untied = untie(model, _edited_params(model, plan, options))
+    edited = 0
+    for stream in plan.streams:
+        for path in stream.writers:
+            edited += center_writer(model, path)
+            report.centered.append(path)
+        for path in stream.recenter_after:
+            add_output_recenter(get(model, path))
+            structure.recenter_after.append(path)
+        for site in stream.norms:
+            record, n, grown = swap_norm(model, site, _will_fold(site, options), options)
+            structure.norms.append(record)
+            structure.added_bias += grown
+            edited += n
+    report.tensors_edited = edited
+    if structure.recenter_after or structure.added_bias:
+        report.stock_reloadable = False
+
+
+register_variant(Variant("rmsnorm", "Pre-LN -> Pre-RMSNorm: zero-mean stream, LayerNorm -> RMSNorm (exact)",
+                         apply_rmsnorm))
+
+
+def centered_outputs(plan: ConversionPlan) -> tuple[str, ...]:
+    from .verify import CENTERED_OUTPUTS
+
+    return tuple(CENTERED_OUTPUTS) + tuple(plan.centered_outputs)
+
+
+# ---- public entry point -------------------------------------------------------------------------------
+
+def _dropout_warning(model: nn.Module) -> str | None:
+    if not model.training:
+        return None
+    ps = sorted({m.p for m in model.modules() if isinstance(m, nn.Dropout) and m.p > 0})
+    if not ps:
+        return None
+    return (f"the input model was in training mode with active dropout (p={', '.join(map(str, ps))}): the "
+            "converted model is returned in eval mode and is equivalent only in eval mode; dropout on a "
+            "residual branch breaks the zero-mean stream, so its training forward is not equivalent.")
+
+
+def _kept_norms(model: nn.Module, plan: ConversionPlan, converted: set[str]) -> list[dict]:
+    reasons = {k.path: k.reason for k in plan.kept}
+    kept = []
+    for name in layernorm_names(model):
+        if name in converted:
+            continue
+        kept.append({"name": name, "reason": reasons.get(
+            name, "not on a residual stream described by the adapter (its input is not provably zero-mean)")})
+    return kept
+
+
+def convert(model: nn.Module, to: str = "rmsnorm", *, keep_affine: bool = False, fold_final: bool = False,
+            allow_new_bias: bool = False, adapter: Adapter | None = None, inplace: bool = False,
+            verify: bool = True, inputs: dict | None = None, fp64_tol: float = 1e-9,
+            progress: Progress | None = None) -> tuple[nn.Module, ConversionReport]:
+    """Convert `model` and return (converted model in eval mode, report).
+
+    The original is not modified unless `inplace=True`. With `verify=True` (default) both models
+    are run on `inputs` (default: the adapter's example inputs) in float64 and in the working
+    dtype, and the numbers go to `report.verification`; failing verification does not raise here
+    (see `report.verification["passed"]`; the CLI exits 1).
+    """
+    say = progress or (lambda msg: None)
+    if to not in VARIANTS:
+        raise UnsupportedConversionError(f"unknown conversion target {to!r}; available: {', '.join(VARIANTS)}")
+    variant = VARIANTS[to]
+    options = ConvertOptions(keep_affine=keep_affine, fold_final=fold_final, allow_new_bias=allow_new_bias)
+    t0 = time.perf_counter()
+    adapter = adapter or find_adapter(model)
+    if adapter.check is not None:
+        adapter.check(model)
+    check_finite(model)
+    plan = adapter.plan(model)
+    warn = _dropout_warning(model)
+    report = ConversionReport(variant=to, adapter=adapter.name, architecture=type(model).__name__,
+                              dtype=str(working_dtype(model)).replace("torch.", ""),
+                              layernorms_total=len(layernorm_names(model)),
+                              stock_reloadable=plan.stock_reloadable, notes=list(plan.notes),
+                              centered_outputs=list(centered_outputs(plan)))
+    if warn:
+        report.warnings.append(warn)
+    original = model
+    if inplace and verify:
+        original = copy.deepcopy(model)
+    target = model if inplace else copy.deepcopy(model)
+    say(f"rewriting weights ({adapter.display_name} adapter, {len(plan.streams)} stream(s))")
+    variant.apply(target, plan, options, report)
+    target.eval()
+    report.kept = _kept_norms(original, plan, {r.name for r in report.structure.norms})
+    report.seconds["convert"] = round(time.perf_counter() - t0, 3)
+    if verify:
+        from .verify import verify_conversion
+
+        t1 = time.perf_counter()
+        say("verifying (float64 and working dtype)")
+        if inputs is None:
+            inputs = adapter.example_inputs(original, torch.Generator().manual_seed(0))
+
+        def reconvert(m: nn.Module) -> nn.Module:
+            scratch = ConversionReport(variant=to, adapter=adapter.name, architecture="", dtype="", layernorms_total=0)
+            variant.apply(m, adapter.plan(m), options, scratch)
+            return m.eval()
+
+        skip = ("last_hidden_state", "hidden_states[-1]") if fold_final else ()
+        report.verification = verify_conversion(
+            original, target, inputs, reconvert=reconvert if variant.exact else None, fp64_tol=fp64_tol,
+            skip=skip, centered=centered_outputs(plan)).to_dict()
+        report.seconds["verify"] = round(time.perf_counter() - t1, 3)
+    return target, report

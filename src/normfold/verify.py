@@ -1,0 +1,247 @@
+"""Prove a conversion by running both models (DESIGN.md "Rules of the house").
+
+Two checks:
+
+1. **Exactness (float64).** The original is cast to float64 and converted again in float64; both
+   run on the same inputs. The algebra is exact in real arithmetic, so every output must agree to
+   a relative error ≤ 1e-9 (typically ~1e-15).
+2. **Working dtype.** The converted model (in the model's own dtype) is compared with the exact
+   answer (the original in float64), next to the original's own error against that answer. The
+   conversion passes when it adds no more error than floating point already has:
+   err(converted) ≤ 4 · err(original) + 64 ulp. Top-1 agreement of logits is reported too.
+
+Relative error of a tensor = max|a − b| / max|b| (normwise; no division by near-zero entries).
+Hidden states of a residual stream are compared after removing their per-token mean: a converted
+Pre-LN model carries the recentred stream, and only normalized copies of it are ever read.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import inspect
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+WORKING_FACTOR = 4.0
+ULP_FLOOR = 64.0
+CENTERED_OUTPUTS = ("*hidden_states[[]*[]]",)
+
+
+@dataclass
+class TensorDiff:
+    name: str
+    max_abs: float
+    max_rel: float
+    scale: float
+
+    @classmethod
+    def of(cls, name: str, test: Tensor, ref: Tensor) -> "TensorDiff":
+        t, r = test.detach().double(), ref.detach().double()
+        if t.shape != r.shape:
+            return cls(name, float("inf"), float("inf"), float(r.abs().max()) if r.numel() else 0.0)
+        diff = (t - r).abs()
+        max_abs = float(diff.max()) if diff.numel() else 0.0
+        if not torch.isfinite(t).all():
+            max_abs = float("inf")
+        scale = float(r.abs().max()) if r.numel() else 0.0
+        return cls(name, max_abs, max_abs / scale if scale > 0 else max_abs, scale)
+
+
+@dataclass
+class Verification:
+    passed: bool
+    dtype: str
+    max_abs_error: float  # converted vs original, both in the working dtype
+    max_rel_error: float
+    top1_agreement: float | None
+    fp64: dict | None
+    working: dict
+    baseline: dict
+    inputs: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---- running models ------------------------------------------------------------------------------
+
+def _accepts(model: nn.Module, name: str) -> bool:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
+def cast_inputs(inputs: dict, dtype: torch.dtype) -> dict:
+    return {k: (v.to(dtype) if isinstance(v, Tensor) and v.is_floating_point() else v) for k, v in inputs.items()}
+
+
+@torch.no_grad()
+def run_model(model: nn.Module, inputs: dict) -> dict[str, Tensor]:
+    """Forward `model` on `inputs` (floats cast to its dtype) and flatten every tensor output."""
+    from .convert import working_dtype
+
+    kwargs = cast_inputs(inputs, working_dtype(model))
+    if _accepts(model, "output_hidden_states"):
+        kwargs.setdefault("output_hidden_states", True)
+    if "use_cache" in getattr(inspect.signature(model.forward), "parameters", {}):
+        kwargs.setdefault("use_cache", False)
+    return flatten_outputs(model(**kwargs))
+
+
+def flatten_outputs(out, prefix: str = "") -> dict[str, Tensor]:
+    """{'logits': t, 'hidden_states[0]': t, 'vision_model_output.pooler_output': t, ...}; caches skipped."""
+    flat: dict[str, Tensor] = {}
+    if isinstance(out, Tensor):
+        if out.is_floating_point():
+            flat[prefix or "output"] = out
+        return flat
+    if isinstance(out, dict) or hasattr(out, "items"):
+        for key, value in out.items():
+            if key in ("past_key_values", "cache") or value is None:
+                continue
+            flat.update(flatten_outputs(value, f"{prefix}.{key}" if prefix else str(key)))
+        return flat
+    if isinstance(out, (tuple, list)):
+        for i, value in enumerate(out):
+            flat.update(flatten_outputs(value, f"{prefix}[{i}]" if prefix else f"output[{i}]"))
+    return flat
+
+
+def _resolve_skip(names: list[str], skip) -> set[str]:
+    """Skip entries may use negative indices ('hidden_states[-1]') or fnmatch patterns."""
+    out = set()
+    for pat in skip:
+        if pat.endswith("[-1]"):
+            stem = pat[:-4]
+            idx = [n for n in names if n.startswith(stem + "[") and n[len(stem) + 1:-1].isdigit()]
+            if idx:
+                out.add(max(idx, key=lambda n: int(n[len(stem) + 1:-1])))
+        else:
+            out.update(n for n in names if fnmatch.fnmatchcase(n, pat))
+    return out
+
+
+def _is_centered(name: str, centered) -> bool:
+    return any(fnmatch.fnmatchcase(name, pat) for pat in centered)
+
+
+def _center(t: Tensor) -> Tensor:
+    t = t.double()
+    return t - t.mean(dim=-1, keepdim=True)
+
+
+def diff_outputs(test: dict[str, Tensor], ref: dict[str, Tensor], skip=(), centered=CENTERED_OUTPUTS) -> list[TensorDiff]:
+    """Per-output differences of `test` against `ref`; outputs missing from `test` count as infinite."""
+    skipped = _resolve_skip(list(ref), skip)
+    diffs = []
+    for name, r in ref.items():
+        if name in skipped:
+            continue
+        t = test.get(name)
+        if t is None:
+            diffs.append(TensorDiff(name, float("inf"), float("inf"), 0.0))
+            continue
+        if _is_centered(name, centered):
+            diffs.append(TensorDiff.of(name + " (centred)", _center(t), _center(r)))
+        else:
+            diffs.append(TensorDiff.of(name, t, r))
+    return diffs
+
+
+def top1_agreement(test: dict[str, Tensor], ref: dict[str, Tensor]) -> float | None:
+    keys = [k for k in ref if k.split(".")[-1].endswith("logits") and k in test and ref[k].dim() >= 2]
+    if not keys:
+        return None
+    agree = total = 0
+    for k in keys:
+        a, b = test[k].argmax(-1), ref[k].argmax(-1)
+        agree += int((a == b).sum())
+        total += a.numel()
+    return agree / total
+
+
+def _worst(diffs: list[TensorDiff]) -> dict:
+    return {"max_abs_error": max((d.max_abs for d in diffs), default=0.0),
+            "max_rel_error": max((d.max_rel for d in diffs), default=0.0)}
+
+
+def _eps(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps
+
+
+# ---- the checks ------------------------------------------------------------------------------------
+
+def verify_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *, reconvert=None,
+                      fp64_tol: float = 1e-9, skip=(), centered=CENTERED_OUTPUTS) -> Verification:
+    """Run the checks described in the module docstring. `reconvert(model_fp64) -> converted_fp64`
+    re-applies the conversion in float64 (None for conversions that are not output-equivalent)."""
+    from .convert import working_dtype
+
+    dtype = working_dtype(converted)
+    was_training = original.training
+    original.eval()
+    try:
+        orig64 = copy.deepcopy(original).to(torch.float64).eval()
+        exact = run_model(orig64, inputs)
+        fp64 = None
+        if reconvert is not None:
+            conv64 = reconvert(copy.deepcopy(orig64))
+            d64 = diff_outputs(run_model(conv64, inputs), exact, skip, centered)
+            del conv64
+            worst = _worst(d64)
+            fp64 = {**worst, "tolerance": fp64_tol, "passed": worst["max_rel_error"] <= fp64_tol,
+                    "outputs": [asdict(d) for d in d64]}
+        del orig64
+        orig_w = run_model(original, inputs)
+        conv_w = run_model(converted, inputs)
+    finally:
+        original.train(was_training)
+
+    base = {d.name: d for d in diff_outputs(orig_w, exact, skip, centered)}
+    conv = diff_outputs(conv_w, exact, skip, centered)
+    rows, working_ok = [], True
+    # A float64 "working dtype" has no rounding baseline to speak of: hold it to the exactness tolerance.
+    floor = fp64_tol if dtype == torch.float64 else ULP_FLOOR * _eps(dtype)
+    for d in conv:
+        b = base.get(d.name)
+        b_rel = b.max_rel if b else 0.0
+        ok = d.max_rel <= WORKING_FACTOR * b_rel + floor
+        working_ok &= ok
+        rows.append({"name": d.name, "converted_rel_error": d.max_rel, "original_rel_error": b_rel, "ok": ok})
+    direct = diff_outputs(conv_w, orig_w, skip, centered)
+    worst_direct = _worst(direct)
+    passed = working_ok and (fp64 is None or fp64["passed"])
+    return Verification(
+        passed=passed, dtype=str(dtype).replace("torch.", ""),
+        max_abs_error=worst_direct["max_abs_error"], max_rel_error=worst_direct["max_rel_error"],
+        top1_agreement=top1_agreement(conv_w, orig_w), fp64=fp64,
+        working={"passed": working_ok, "rule": f"err(converted) <= {WORKING_FACTOR:g} * err(original) + "
+                 f"{ULP_FLOOR:g} ulp, errors against the original in float64", "outputs": rows},
+        baseline={**_worst(list(base.values())), "what": "original in its dtype vs itself in float64"},
+        inputs=describe_inputs(inputs),
+    )
+
+
+def compare_models(reference: nn.Module, candidate: nn.Module, inputs: dict, *, skip=(),
+                   centered=CENTERED_OUTPUTS) -> Verification:
+    """`normfold verify ORIGINAL CONVERTED`: errors of a saved conversion against its original.
+
+    Without the conversion recipe there is no exact float64 re-conversion: the float64 check runs
+    the candidate's stored weights in float64, so it includes their rounding to the stored dtype;
+    its tolerance is therefore 1024 ulp of that dtype (1e-9 for float64 checkpoints)."""
+    from .convert import working_dtype
+
+    stored = working_dtype(candidate)
+    tol = max(1e-9, 1024 * _eps(stored))
+    return verify_conversion(reference, candidate, inputs, fp64_tol=tol, skip=skip, centered=centered,
+                             reconvert=lambda _orig64: copy.deepcopy(candidate).to(torch.float64).eval())
+
+
+def describe_inputs(inputs: dict) -> dict:
+    return {k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")}
+            for k, v in inputs.items() if isinstance(v, Tensor)}
