@@ -1,0 +1,157 @@
+"""Saving and loading converted checkpoints: stock transformers reload (normfold not imported),
+normfold.load, atomic writes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import normfold
+from helpers import perturb_biases, perturb_norms, rel_err
+from normfold import io
+from normfold.errors import CheckpointError, OutputExistsError
+
+transformers = pytest.importorskip("transformers")
+from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel  # noqa: E402
+
+IDS = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(3))
+
+
+def tiny(cls=GPT2LMHeadModel, **kw):
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=97, n_positions=16, n_embd=24, n_layer=2, n_head=3, bos_token_id=0,
+                     eos_token_id=0, pad_token_id=0, **kw)
+    return perturb_biases(perturb_norms(cls(cfg).eval()))
+
+
+def logits(model, ids=IDS):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.fixture
+def converted(tmp_path):
+    model = tiny()
+    conv, report = normfold.convert(model)
+    out = normfold.save(conv, report, tmp_path / "out")
+    return model, conv, report, out
+
+
+STOCK_RELOAD = r"""
+import sys, json, torch
+from transformers import AutoModelForCausalLM
+m = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+ids = torch.tensor(json.loads(sys.argv[2]))
+with torch.no_grad():
+    out = m(input_ids=ids).logits
+assert not any(k == "normfold" or k.startswith("normfold.") for k in sys.modules), "normfold was imported"
+assert all(type(x).__name__ == "LayerNorm" for n, x in m.named_modules() if "ln" in n.split(".")[-1])
+torch.save(out, sys.argv[3])
+"""
+
+
+def test_stock_transformers_reload_gives_same_outputs(converted, tmp_path):
+    model, conv, report, out = converted
+    result = tmp_path / "stock_logits.pt"
+    proc = subprocess.run([sys.executable, "-c", STOCK_RELOAD, str(out), json.dumps(IDS.tolist()), str(result)],
+                          capture_output=True, text=True, env={"HF_HUB_OFFLINE": "1", "PATH": ""})
+    assert proc.returncode == 0, proc.stderr
+    stock = torch.load(result, weights_only=True)
+    assert rel_err(stock, logits(conv)) < 1e-5
+    assert rel_err(stock, logits(model)) < 1e-5
+    # and in float64 the reloaded stock model is as exact as the stored weights allow
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is False
+
+
+def test_normfold_load_restores_rmsnorm_modules(converted):
+    from normfold.nn import RMSNorm
+
+    model, conv, report, out = converted
+    loaded = normfold.load(out)
+    assert isinstance(loaded.transformer.h[0].ln_1, RMSNorm)
+    assert loaded.transformer.h[0].ln_1.weight is None
+    assert loaded.transformer.ln_f.weight is not None
+    assert not any(isinstance(m, torch.nn.LayerNorm) for m in loaded.modules())
+    assert torch.equal(logits(loaded), logits(conv))
+    assert loaded.normfold_report.variant == "rmsnorm"
+
+
+def test_report_has_contract_fields(converted):
+    *_, out = converted
+    rep = json.loads((out / "normfold.json").read_text())
+    assert rep["variant"] == "rmsnorm"
+    assert {"total", "converted", "kept"} <= set(rep["layernorms"])
+    assert rep["layernorms"]["total"] == 5 and rep["layernorms"]["converted"] == 5
+    v = rep["verification"]
+    assert {"max_abs_error", "max_rel_error", "top1_agreement", "dtype", "passed"} <= set(v)
+    assert v["passed"] is True and v["fp64"]["max_rel_error"] <= 1e-9
+
+
+def test_non_stock_checkpoint_uses_another_file_and_loads_with_normfold(tmp_path):
+    model = tiny()
+    conv, report = normfold.convert(model, fold_final=True, allow_new_bias=True)
+    assert not report.stock_reloadable
+    out = normfold.save(conv, report, tmp_path / "nonstock")
+    assert (out / io.NORMFOLD_WEIGHTS).exists() and not (out / io.STOCK_WEIGHTS).exists()
+    with pytest.raises(OSError):  # stock transformers must fail loudly, not compute something else
+        GPT2LMHeadModel.from_pretrained(out)
+    loaded = normfold.load(out)
+    assert loaded.lm_head.bias is not None
+    assert torch.equal(logits(loaded), logits(conv))
+
+
+def test_existing_output_is_refused_without_force(converted):
+    model, conv, report, out = converted
+    before = sorted(p.name for p in out.iterdir())
+    stamp = (out / "normfold.json").read_text()
+    with pytest.raises(OutputExistsError, match="--force"):
+        normfold.save(conv, report, out)
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert (out / "normfold.json").read_text() == stamp
+
+
+def test_force_replaces_only_when_complete(converted, monkeypatch):
+    model, conv, report, out = converted
+    stamp = (out / "normfold.json").read_text()
+    import safetensors.torch
+
+    def boom(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        normfold.save(conv, report, out, force=True)
+    assert (out / "normfold.json").read_text() == stamp  # old directory untouched
+    assert [p.name for p in out.parent.iterdir() if p.name.startswith(".")] == []  # no temp left
+    monkeypatch.undo()
+    report.notes.append("second save")
+    normfold.save(conv, report, out, force=True)
+    assert "second save" in (out / "normfold.json").read_text()
+
+
+def test_failed_first_save_leaves_nothing(tmp_path, monkeypatch):
+    model = tiny()
+    conv, report = normfold.convert(model, verify=False)
+    monkeypatch.setattr(type(conv.config), "save_pretrained", lambda *a, **k: (_ for _ in ()).throw(OSError("x")))
+    with pytest.raises(OSError):
+        normfold.save(conv, report, tmp_path / "never")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_load_rejects_non_normfold_directory(tmp_path):
+    tiny().save_pretrained(tmp_path / "plain")
+    with pytest.raises(CheckpointError, match="not a normfold checkpoint"):
+        normfold.load(tmp_path / "plain")
+
+
+def test_sequence_classification_round_trip(tmp_path):
+    model = tiny(GPT2ForSequenceClassification, num_labels=3)
+    conv, report = normfold.convert(model)
+    out = normfold.save(conv, report, tmp_path / "cls")
+    stock = GPT2ForSequenceClassification.from_pretrained(out).eval()
+    loaded = normfold.load(out)
+    assert rel_err(logits(stock), logits(model)) < 1e-5
+    assert torch.equal(logits(loaded), logits(conv))
