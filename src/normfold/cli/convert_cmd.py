@@ -1,0 +1,198 @@
+"""`normfold convert [MODEL] --to rmsnorm --out DIR`."""
+
+from __future__ import annotations
+
+import argparse
+
+from .ui import Steps, sci, table
+
+HELP = "convert a model and verify it (Pre-LN -> Pre-RMSNorm)"
+
+DESCRIPTION = """\
+Convert MODEL into an arithmetically equivalent model and write it to DIR.
+
+MODEL is a local Hugging Face model directory (config.json + weights) or a hub id (needs a network).
+Without MODEL, the bundled default model is used: a small GPT-2 trained on the King James Bible.
+
+What happens (--to rmsnorm):
+  1. the embedding tables and every residual-branch output projection are centred, so the
+     residual stream is zero-mean for every input (paper 001, Lemma 3.1);
+  2. each LayerNorm's scale (and shift, where all its readers have a bias) is folded into the
+     linear layers that read it (--keep-affine keeps them in the norm instead);
+  3. each LayerNorm becomes an RMSNorm with the same eps: on zero-mean input they are equal;
+  4. original and converted run side by side: in float64 (relative error must be <= 1e-9) and in
+     the model's dtype (the conversion must add no more error than the original already has
+     against its own float64 version);
+  5. DIR is written atomically: weights (safetensors), config, tokenizer files, normfold.json.
+
+The result loads with plain transformers (AutoModelForCausalLM.from_pretrained(DIR)) where the
+report says stock_reloadable, and with normfold.load(DIR) to get normfold's fast RMSNorm kernels.
+"""
+
+EPILOG = """\
+examples:
+  normfold convert --out ./kjv-rms                    the bundled model
+  normfold convert ./gpt2 --out ./gpt2-rms --force    replace an existing output directory
+  normfold convert ./gpt2 --out ./gpt2-rms --dtype bfloat16 --json > report.json
+
+exit codes: 0 converted and verified; 1 verification failed (nothing written unless
+--save-failed); 2 bad input: missing MODEL, not a model, unsupported architecture, existing DIR
+without --force (message on stderr, nothing written).
+"""
+
+
+def add_parser(sub) -> None:
+    from ..convert import VARIANTS
+
+    p = sub.add_parser("convert", help=HELP, description=DESCRIPTION, epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", metavar="MODEL",
+                   help="HF model directory or hub id (default: the bundled kjv-gpt2 model)")
+    p.add_argument("--to", default="rmsnorm", choices=sorted(VARIANTS), help="conversion target (default: rmsnorm)")
+    p.add_argument("--out", metavar="DIR", help="output directory (required unless --dry-run)")
+    p.add_argument("--force", action="store_true", help="replace DIR if it exists (only once the new one is complete)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "float64"],
+                   help="load MODEL in this dtype and convert in it (default: the checkpoint's dtype)")
+    p.add_argument("--keep-affine", action="store_true",
+                   help="keep each norm's scale/shift inside the RMSNorm instead of folding them into readers")
+    p.add_argument("--fold-final", action="store_true",
+                   help="also fold final norms (ln_f) into the linear heads (logits unchanged; the returned "
+                        "last hidden state then lacks the affine)")
+    p.add_argument("--allow-new-bias", action="store_true",
+                   help="let readers without a bias grow one to absorb the norm's shift (not stock-reloadable)")
+    p.add_argument("--text", help="verify on this text (tokenized with MODEL's tokenizer) instead of random tokens")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random verification inputs (default 0)")
+    p.add_argument("--fp64-tol", type=float, default=1e-9, metavar="TOL",
+                   help="max relative error of the float64 check (default 1e-9)")
+    p.add_argument("--dry-run", action="store_true", help="convert and verify, write nothing")
+    p.add_argument("--save-failed", action="store_true", help="write DIR even if verification fails")
+    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout instead of a table")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(run=run)
+
+
+def _text_inputs(model_dir, text: str) -> dict:
+    from ..errors import NormfoldError
+
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_dir)
+    except Exception as exc:
+        raise NormfoldError(f"--text needs a tokenizer in the model directory: {exc}") from exc
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    if ids.numel() == 0:
+        raise NormfoldError("--text produced no tokens")
+    return {"input_ids": ids}
+
+
+def run(args) -> int:
+    import torch
+
+    from .. import io
+    from ..adapters import find_adapter
+    from ..convert import convert
+    from ..errors import NormfoldError, VerificationFailedError
+
+    if not args.dry_run and not args.out:
+        raise NormfoldError("--out DIR is required (or --dry-run to convert and verify without writing)")
+    if args.out and not args.dry_run:
+        io.check_output_dir(args.out, args.force)  # fail before any work
+    steps = Steps(total=3 if args.dry_run else 4, quiet=args.quiet)
+
+    steps.start("load", f"loading {args.model or 'the bundled default model (kjv-gpt2)'}")
+    model, source = io.load_source(args.model, dtype=args.dtype)
+    adapter = find_adapter(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    steps.note(f"{source['architecture']}, {n_params / 1e6:.1f} M parameters, adapter: {adapter.display_name}")
+    inputs = None
+    if args.text:
+        inputs = _text_inputs(source["path"] or args.model, args.text)
+
+    steps.start("convert", f"converting to {args.to}")
+    steps_verify = {"started": False}
+
+    def progress(msg: str) -> None:
+        if msg.startswith("verifying") and not steps_verify["started"]:
+            steps_verify["started"] = True
+            steps.start("verify", msg)
+        else:
+            steps.note(msg)
+
+    if inputs is None:
+        inputs = adapter.example_inputs(model, torch.Generator().manual_seed(args.seed))
+    converted, report = convert(model, to=args.to, keep_affine=args.keep_affine, fold_final=args.fold_final,
+                                allow_new_bias=args.allow_new_bias, adapter=adapter, inputs=inputs,
+                                fp64_tol=args.fp64_tol, progress=progress)
+    report.source = source
+    passed = bool(report.verification and report.verification["passed"])
+    steps.end()
+
+    written = None
+    if not args.dry_run and (passed or args.save_failed):
+        steps.start("save", f"writing {args.out}")
+        written = io.save(converted, report, args.out, force=args.force, source_dir=source["path"])
+    steps.end()
+    report.seconds.update({k: round(v, 3) for k, v in steps.times.items()})
+
+    if args.json:
+        print(report.to_json())
+    else:
+        print(summary(report, written, args))
+    if not passed:
+        raise VerificationFailedError(
+            "verification failed: the converted model's outputs differ beyond tolerance (see the table above)"
+            + ("" if written else "; nothing was written (use --save-failed to keep it anyway)"))
+    return 0
+
+
+def summary(report, written, args) -> str:
+    d = report.to_dict()
+    ln = d["layernorms"]
+    norms = report.structure.norms
+    folded = [n for n in norms if n.folded_into]
+    kept_affine = [n.name for n in norms if n.weight or n.bias]
+    lines = [f"normfold convert: {d['source'].get('model')} ({report.architecture}, {report.dtype}) -> "
+             f"{written or '(not written)'}  [{report.variant}]", ""]
+    rows = [
+        ["LayerNorms", f"{ln['total']} total: {ln['converted']} converted, {len(ln['kept'])} kept"],
+        ["affine", f"{len(folded)} folded into their readers, {len(kept_affine)} kept in the norm"
+                   + (f" ({', '.join(kept_affine[:3])}{', ...' if len(kept_affine) > 3 else ''})" if kept_affine else "")],
+        ["tensors edited", f"{report.tensors_edited} ({len(report.centered)} writers centred, "
+                           f"{len(report.structure.untied)} tied parameters untied)"],
+        ["stock reload", "yes: plain transformers loads the checkpoint" if report.stock_reloadable
+         else "no: load with normfold.load (see notes)"],
+    ]
+    lines.append(table(rows))
+    for k in ln["kept"][:10]:
+        lines.append(f"  kept: {k['name']}: {k['reason']}")
+    if len(ln["kept"]) > 10:
+        lines.append(f"  ... and {len(ln['kept']) - 10} more kept norms (see normfold.json)")
+    v = report.verification
+    if v:
+        lines.append("")
+        vrows = []
+        if v["fp64"]:
+            f = v["fp64"]
+            vrows.append(["float64: converted vs original", sci(f["max_abs_error"]), sci(f["max_rel_error"]),
+                          f"{'pass' if f['passed'] else 'FAIL'} (tolerance {f['tolerance']:g})"])
+        top1 = "" if v["top1_agreement"] is None else f"top-1 agreement {100 * v['top1_agreement']:.2f}%"
+        vrows.append([f"{v['dtype']}: converted vs original", sci(v["max_abs_error"]), sci(v["max_rel_error"]), top1])
+        b = v["baseline"]
+        vrows.append([f"{v['dtype']}: original vs its float64 self", sci(b["max_abs_error"]),
+                      sci(b["max_rel_error"]), "floating-point baseline"])
+        worst = max(v["working"]["outputs"], key=lambda r: r["converted_rel_error"], default=None)
+        if worst:
+            vrows.append([f"{v['dtype']}: converted vs float64 original", "", sci(worst["converted_rel_error"]),
+                          f"{'pass' if v['working']['passed'] else 'FAIL'} (<= 4x baseline; worst: {worst['name']})"])
+        lines.append(table(vrows, header=["verification", "max abs", "max rel", ""]))
+    for w in report.warnings:
+        lines.append(f"  warning: {w}")
+    for n in report.notes:
+        lines.append(f"  note: {n}")
+    secs = "  ".join(f"{k} {report.seconds[k]:.1f}s" for k in ("load", "convert", "verify", "save")
+                     if k in report.seconds)
+    lines += ["", f"  time: {secs}"]
+    if written:
+        lines.append(f"  report: {written}/normfold.json")
+    return "\n".join(lines)
