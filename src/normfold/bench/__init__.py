@@ -1,0 +1,1 @@
+"""Benchmark suites (not tests): `normfold bench ops`, `normfold bench model`."""

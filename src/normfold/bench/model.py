@@ -1,0 +1,64 @@
+"""`normfold bench model`: end-to-end inference time of a model before and after conversion.
+
+Candidates: the original (LayerNorm), the converted model with normfold's RMSNorm, and the same
+converted model with a naive RMSNorm (torch's F.rms_norm) to show why the kernel matters on CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+from .results import write
+from .timing import Bar, machine_info, measure
+
+COLUMNS = ["model", "dtype", "batch", "seq", "original_ms", "converted_ms", "naive_rms_ms",
+           "converted/original", "naive/original"]
+
+
+def _naive(model):
+    """Converted model whose RMSNorms call F.rms_norm (plus bias) instead of normfold's kernel."""
+    from ..nn import RMSNorm
+
+    naive = copy.deepcopy(model)
+    for m in naive.modules():
+        if isinstance(m, RMSNorm):
+            def fwd(x, m=m):
+                y = F.rms_norm(x, m.normalized_shape, m.weight, m.eps)
+                return y if m.bias is None else y + m.bias
+            m.forward = fwd
+    return naive
+
+
+def run(model_path=None, out_dir="benchmarks", dtypes=("float32", "bfloat16"), shapes=((1, 128), (8, 256)),
+        rounds: int = 15, progress: bool = True, name: str | None = None):
+    from .. import convert
+    from ..io import load_source
+
+    machine = machine_info()
+    rows = []
+    bar = Bar(len(dtypes) * len(shapes) * rounds, "bench model", enabled=progress)
+    for dname in dtypes:
+        model, source = load_source(model_path, dtype=dname)
+        converted, report = convert(model, verify=False)
+        naive = _naive(converted)
+        vocab = model.config.vocab_size
+        for batch, seq in shapes:
+            ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+            cands = {k: (lambda m=m: m(input_ids=ids, use_cache=False)) for k, m in
+                     (("original", model), ("converted", converted), ("naive", naive))}
+            with torch.inference_mode():
+                s = measure(cands, rounds=rounds, min_time=0, tick=bar.step)
+            ms = {k: v.median * 1e3 for k, v in s.items()}
+            rows.append({"model": name or source["model"], "dtype": dname, "batch": batch, "seq": seq,
+                         "original_ms": ms["original"], "converted_ms": ms["converted"], "naive_rms_ms": ms["naive"],
+                         "converted/original": ms["converted"] / ms["original"],
+                         "naive/original": ms["naive"] / ms["original"],
+                         "original_q25_ms": s["original"].q25 * 1e3, "original_q75_ms": s["original"].q75 * 1e3,
+                         "converted_q25_ms": s["converted"].q25 * 1e3, "converted_q75_ms": s["converted"].q75 * 1e3})
+    bar.close()
+    paths = write(rows, "model", out_dir, machine, COLUMNS,
+                  "End-to-end forward time, original vs converted (median ms; lower is better)")
+    return rows, paths

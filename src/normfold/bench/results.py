@@ -1,0 +1,52 @@
+"""Benchmark outputs: CSV + markdown (+ PNG when matplotlib is installed), with the machine info."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+
+def write(rows: list[dict], name: str, out_dir: str | Path, machine: dict, columns: list[str],
+          title: str, plot=None) -> dict[str, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"csv": out / f"{name}.csv", "md": out / f"{name}.md", "json": out / f"{name}.machine.json"}
+    with open(paths["csv"], "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else columns)
+        w.writeheader()
+        w.writerows(rows)
+    paths["json"].write_text(json.dumps(machine, indent=2) + "\n")
+    paths["md"].write_text(markdown(rows, columns, title, machine))
+    if plot is not None:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            paths["png"] = out / f"{name}.png"
+            plot(rows, paths["png"], machine)
+        except ImportError:
+            pass
+    return paths
+
+
+def markdown(rows: list[dict], columns: list[str], title: str, machine: dict) -> str:
+    head = f"### {title}\n\nMachine: {machine_line(machine)}\n\n"
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(" --- " for _ in columns) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in columns) + " |")
+    return head + "\n".join(lines) + "\n"
+
+
+def machine_line(m: dict) -> str:
+    parts = [m.get("cpu", "?"), f"{m.get('logical_cores')} cores", f"torch {m.get('torch')}",
+             f"{m.get('torch_threads')} threads"]
+    if m.get("gpu"):
+        parts.insert(0, f"{m['gpu']} (CUDA {m.get('cuda')})")
+    return ", ".join(str(p) for p in parts)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)

@@ -1,0 +1,122 @@
+"""Timing harness: warm-up, interleaved rounds, medians and quartiles.
+
+Interleaving (every round runs each candidate once, in rotating order) keeps slow drifts of the
+machine (frequency, other processes, page cache) from favouring whichever candidate ran first.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Stats:
+    median: float  # seconds
+    q25: float
+    q75: float
+    n: int
+
+    @classmethod
+    def of(cls, samples: list[float]) -> "Stats":
+        q = statistics.quantiles(samples, n=4, method="inclusive") if len(samples) > 1 else [samples[0]] * 3
+        return cls(median=q[1], q25=q[0], q75=q[2], n=len(samples))
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(candidates: dict[str, Callable[[], object]], *, rounds: int = 30, warmup: int = 3,
+            min_time: float = 2e-3, device: str = "cpu", tick: Callable[[], None] | None = None) -> dict[str, Stats]:
+    """Time each zero-argument callable; one sample = `inner` calls, chosen so a sample lasts at least
+    `min_time` (short ops would otherwise be dominated by timer resolution). Returns seconds per call."""
+    names = list(candidates)
+    inner = {}
+    for name in names:
+        fn = candidates[name]
+        for _ in range(warmup):
+            fn()
+        _sync(device)
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        once = max(time.perf_counter() - t, 1e-7)
+        inner[name] = max(1, int(min_time / once))
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            fn, k = candidates[name], inner[name]
+            _sync(device)
+            t = time.perf_counter()
+            for _ in range(k):
+                fn()
+            _sync(device)
+            samples[name].append((time.perf_counter() - t) / k)
+        if tick is not None:
+            tick()
+    return {n: Stats.of(s) for n, s in samples.items()}
+
+
+def machine_info() -> dict:
+    """What the numbers were measured on (goes into every benchmark output)."""
+    from ..ops import cpu
+
+    cpu_name = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu_name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu_name, "logical_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+        "python": platform.python_version(), "platform": platform.platform(),
+        "normfold_cpu_kernel": cpu.status()["available"],
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+class Bar:
+    """A one-line progress bar on stderr (no dependency)."""
+
+    def __init__(self, total: int, label: str, enabled: bool = True) -> None:
+        import sys
+
+        self.total, self.k, self.label, self.enabled, self.stream = total, 0, label, enabled, sys.stderr
+        self.t0 = time.perf_counter()
+        self._draw()
+
+    def _draw(self) -> None:
+        if not self.enabled:
+            return
+        width = 30
+        done = int(width * self.k / max(1, self.total))
+        el = time.perf_counter() - self.t0
+        eta = el / self.k * (self.total - self.k) if self.k else 0.0
+        self.stream.write(f"\r{self.label} [{'#' * done}{'.' * (width - done)}] {self.k}/{self.total} "
+                          f"{el:5.0f}s elapsed, ~{eta:4.0f}s left ")
+        self.stream.flush()
+
+    def step(self, n: int = 1) -> None:
+        self.k += n
+        self._draw()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
