@@ -45,3 +45,36 @@ def add_mean_offsets(model: nn.Module, scale: float = 2.0, generator: torch.Gene
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def realistic(model: nn.Module) -> nn.Module:
+    """Non-trivial norms and biases, and embedding rows with a large common offset."""
+    return add_mean_offsets(perturb_biases(perturb_norms(model)))
+
+
+def flat_outputs(out, prefix: str = "") -> dict:
+    """Every floating tensor a model returned, by name (an independent re-implementation of what
+    normfold.verify flattens; caches skipped)."""
+    res = {}
+    if isinstance(out, torch.Tensor):
+        if out.is_floating_point():
+            res[prefix] = out
+    elif hasattr(out, "items"):
+        for k, v in out.items():
+            if k != "past_key_values" and v is not None:
+                res.update(flat_outputs(v, f"{prefix}.{k}" if prefix else k))
+    elif isinstance(out, (tuple, list)):
+        for i, v in enumerate(out):
+            res.update(flat_outputs(v, f"{prefix}[{i}]"))
+    return res
+
+
+def run_flat(model: nn.Module, inputs: dict) -> dict:
+    dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+    kwargs = {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in inputs.items()}
+    with torch.no_grad():
+        try:
+            out = model(**kwargs, output_hidden_states=True, use_cache=False)
+        except TypeError:
+            out = model(**kwargs, output_hidden_states=True)
+    return flat_outputs(out)

@@ -108,6 +108,26 @@ class StreamTemplate:
 
 
 @dataclass(frozen=True)
+class TinyExample:
+    """A tiny random configuration of a family (transformers class names + config kwargs).
+
+    Used by the generic family tests (tests/adapters/test_families.py: float64 exactness on every
+    output, float32 error, stock reload, CLI) and by scripts/family_table.py for the README table."""
+
+    name: str
+    config: str
+    kwargs: dict
+    heads: tuple[str, ...]
+
+    def build(self, head: str | None = None, dtype=None):
+        import transformers
+
+        cfg = getattr(transformers, self.config)(**self.kwargs)
+        model = getattr(transformers, head or self.heads[0])(cfg).eval()
+        return model if dtype is None else model.to(dtype)
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """What an adapter's conversions support (TransformerLens-style flags, shown in docs/tables)."""
 
@@ -146,6 +166,7 @@ class Adapter:
     example_inputs: Callable[[nn.Module, torch.Generator], dict] = _default_inputs
     check: Callable[[nn.Module], None] | None = None
     capabilities: Capabilities = Capabilities()
+    examples: tuple[TinyExample, ...] = ()
 
     def matches(self, model: nn.Module) -> bool:
         if type(model).__name__ in self.model_classes:

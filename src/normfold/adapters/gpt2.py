@@ -8,7 +8,7 @@ ln_f feeds the model output and the heads. lm_head is tied to wte: centring wte 
 from __future__ import annotations
 
 from ..errors import UnsupportedConversionError
-from .base import BlockTemplate, Capabilities, StreamTemplate, template_adapter
+from .base import BlockTemplate, Capabilities, StreamTemplate, TinyExample, template_adapter
 
 GPT2_STREAM = StreamTemplate(
     name="decoder",
@@ -30,9 +30,19 @@ def _check(model) -> None:
             "ln_cross_attn/crossattention; normfold's GPT-2 adapter does not describe that stream yet.")
 
 
+_COMMON = dict(vocab_size=97, n_positions=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+_HEADS = ("GPT2Model", "GPT2LMHeadModel", "GPT2DoubleHeadsModel", "GPT2ForSequenceClassification",
+          "GPT2ForTokenClassification", "GPT2ForQuestionAnswering")
+
 ADAPTER = template_adapter(
     "gpt2", "GPT-2", GPT2_STREAM,
     model_types=("gpt2",),
     check=_check,
     capabilities=Capabilities(variants=("rmsnorm",), stock_reloadable=True),
+    examples=(
+        TinyExample("tied", "GPT2Config", dict(_COMMON, n_embd=24, n_layer=2, n_head=3), _HEADS),
+        TinyExample("untied-inv-idx", "GPT2Config",
+                    dict(_COMMON, n_embd=32, n_layer=3, n_head=4, layer_norm_epsilon=1e-6, tie_word_embeddings=False,
+                         scale_attn_by_inverse_layer_idx=True), ("GPT2LMHeadModel",)),
+    ),
 )
