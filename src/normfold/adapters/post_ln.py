@@ -105,16 +105,14 @@ def affine_free(norm: nn.Module) -> bool:
 
 
 def _residual_reason(prev: str, what: str) -> str:
-    return (f"Post-LN: its input is the {what} branch plus the residual {prev} output γ⊙n + β, whose "
-            "per-token mean γ·n/d + mean(β) is not zero for a learned per-channel γ; that residual is "
-            "also read directly by the next branch, so no weight edit can recentre it (an explicit "
-            "centring would cost what LayerNorm's own does). RMSNorm would not be exact; kept as LayerNorm")
+    return (f"Post-LN: its input is the {what} branch plus the residual output of {prev}, γ⊙n + β, whose "
+            "per-token mean γ·n/d + mean(β) is nonzero for a learned per-channel γ; the next branch reads that "
+            "residual directly, so no weight edit can recentre it. RMSNorm would not be exact")
 
 
 def _projection_reason(proj: str) -> str:
     return (f"Post-LN: its input adds the output of {proj}, which the first block's self-attention also "
-            "reads directly, so it cannot be centred by editing weights. RMSNorm would not be exact; kept "
-            "as LayerNorm")
+            "reads directly, so no weight edit can centre it. RMSNorm would not be exact")
 
 
 def _notes(model: nn.Module, plan: ConversionPlan, word_table: str) -> list[str]:
