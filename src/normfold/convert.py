@@ -122,7 +122,17 @@ def untie(model: nn.Module, params: list[nn.Parameter]) -> list[str]:
             untied.append(name)
     if untied:
         disable_weight_tying(model)
+        # tie_word_embeddings=False also stops transformers re-tying the model's other pairs on load
+        # (RoBERTa's lm_head.bias / lm_head.decoder.bias): give them their own storage so each is saved.
+        untied += untie(model, _shared_params(model))
     return untied
+
+
+def _shared_params(model: nn.Module) -> list[nn.Parameter]:
+    names: dict[int, list[nn.Parameter]] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(p)
+    return [ps[0] for ps in names.values() if len(ps) > 1]
 
 
 def disable_weight_tying(model: nn.Module) -> None:

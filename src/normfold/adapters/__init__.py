@@ -29,6 +29,10 @@ from .base import (
 # One module per family; each defines ADAPTER (or ADAPTERS). Adding a family = one line here.
 _BUILTIN_MODULES = (
     "gpt2",
+    "bert",
+    "roberta",
+    "distilbert",
+    "electra",
 )
 
 _REGISTRY: dict[str, Adapter] = {}
