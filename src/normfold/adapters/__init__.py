@@ -29,6 +29,9 @@ from .base import (
 # One module per family; each defines ADAPTER (or ADAPTERS). Adding a family = one line here.
 _BUILTIN_MODULES = (
     "gpt2",
+    "gpt_neo",
+    "gptj",
+    "gpt_neox",
 )
 
 _REGISTRY: dict[str, Adapter] = {}
