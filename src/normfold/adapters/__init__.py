@@ -32,6 +32,7 @@ _BUILTIN_MODULES = (
     "gpt_neo",
     "gptj",
     "gpt_neox",
+    "opt",
 )
 
 _REGISTRY: dict[str, Adapter] = {}
