@@ -33,6 +33,7 @@ _BUILTIN_MODULES = (
     "gptj",
     "gpt_neox",
     "opt",
+    "bloom",
 )
 
 _REGISTRY: dict[str, Adapter] = {}
