@@ -34,6 +34,7 @@ _BUILTIN_MODULES = (
     "gpt_neox",
     "opt",
     "bloom",
+    "phi",
 )
 
 _REGISTRY: dict[str, Adapter] = {}
