@@ -35,6 +35,7 @@ _BUILTIN_MODULES = (
     "opt",
     "bloom",
     "phi",
+    "gpt_bigcode",
 )
 
 _REGISTRY: dict[str, Adapter] = {}
