@@ -36,6 +36,7 @@ _BUILTIN_MODULES = (
     "bloom",
     "phi",
     "gpt_bigcode",
+    "falcon",
 )
 
 _REGISTRY: dict[str, Adapter] = {}
