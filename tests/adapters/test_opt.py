@@ -105,6 +105,14 @@ def test_post_ln_without_affine_converts_all_but_the_first_norm():
     assert_norm_inputs_zero_mean(conv, INPUTS)
 
 
+def test_pre_ln_norms_without_affine():
+    model = make(OPTConfig, OPTForCausalLM, layer_norm_elementwise_affine=False, **CFG)
+    conv, report = assert_exact(model, INPUTS)
+    assert layernorms(conv) == [] and len(rmsnorms(conv)) == 5
+    assert all(m.weight is None and m.bias is None for m in rmsnorms(conv).values())
+    assert all(not r.stock_weight and not r.stock_bias for r in report.structure.norms)
+
+
 def test_pre_ln_without_final_norm_is_rejected():
     model = make(OPTConfig, OPTForCausalLM, _remove_final_layer_norm=True, **CFG)
     assert model.model.decoder.final_layer_norm is None
