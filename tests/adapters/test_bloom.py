@@ -7,8 +7,18 @@ import pytest
 import torch
 
 import normfold
-from decoder_checks import assert_exact, assert_half_precision, assert_norm_inputs_zero_mean, \
-    assert_stream_zero_mean, ids, kept_reasons, layernorms, make, max_error, rmsnorms
+from decoder_checks import (
+    assert_exact,
+    assert_half_precision,
+    assert_norm_inputs_zero_mean,
+    assert_stream_zero_mean,
+    ids,
+    kept_reasons,
+    layernorms,
+    make,
+    max_error,
+    rmsnorms,
+)
 from helpers import run_flat
 
 transformers = pytest.importorskip("transformers")

@@ -4,8 +4,16 @@ import pytest
 import torch
 
 import normfold
-from decoder_checks import assert_exact, assert_half_precision, assert_norm_inputs_zero_mean, \
-    assert_stream_zero_mean, ids, layernorms, make, rmsnorms
+from decoder_checks import (
+    assert_exact,
+    assert_half_precision,
+    assert_norm_inputs_zero_mean,
+    assert_stream_zero_mean,
+    ids,
+    layernorms,
+    make,
+    rmsnorms,
+)
 
 transformers = pytest.importorskip("transformers")
 from transformers import FalconConfig, FalconForCausalLM, FalconModel  # noqa: E402
@@ -67,6 +75,6 @@ def test_eps_is_carried(eps):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision(dtype):
-    model = make(FalconConfig, FalconForCausalLM, dtype=torch.float32, new_decoder_architecture=True, parallel_attn=True,
-                 num_kv_heads=2, **CFG)
+    model = make(FalconConfig, FalconForCausalLM, dtype=torch.float32, new_decoder_architecture=True,
+                 parallel_attn=True, num_kv_heads=2, **CFG)
     assert_half_precision(model, INPUTS, dtype)

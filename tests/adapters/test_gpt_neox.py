@@ -3,8 +3,16 @@
 import pytest
 import torch
 
-from decoder_checks import assert_exact, assert_half_precision, assert_norm_inputs_zero_mean, \
-    assert_stream_zero_mean, ids, layernorms, make, rmsnorms
+from decoder_checks import (
+    assert_exact,
+    assert_half_precision,
+    assert_norm_inputs_zero_mean,
+    assert_stream_zero_mean,
+    ids,
+    layernorms,
+    make,
+    rmsnorms,
+)
 
 transformers = pytest.importorskip("transformers")
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForTokenClassification  # noqa: E402

@@ -7,8 +7,17 @@ import pytest
 import torch
 
 import normfold
-from decoder_checks import assert_exact, assert_half_precision, assert_norm_inputs_zero_mean, \
-    assert_stream_zero_mean, ids, kept_reasons, layernorms, make, rmsnorms
+from decoder_checks import (
+    assert_exact,
+    assert_half_precision,
+    assert_norm_inputs_zero_mean,
+    assert_stream_zero_mean,
+    ids,
+    kept_reasons,
+    layernorms,
+    make,
+    rmsnorms,
+)
 from helpers import run_flat
 
 transformers = pytest.importorskip("transformers")

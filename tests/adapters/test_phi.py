@@ -4,8 +4,17 @@ import pytest
 import torch
 
 import normfold
-from decoder_checks import assert_exact, assert_half_precision, assert_norm_inputs_zero_mean, \
-    assert_stream_zero_mean, ids, kept_reasons, layernorms, make, rmsnorms
+from decoder_checks import (
+    assert_exact,
+    assert_half_precision,
+    assert_norm_inputs_zero_mean,
+    assert_stream_zero_mean,
+    ids,
+    kept_reasons,
+    layernorms,
+    make,
+    rmsnorms,
+)
 from helpers import rel_err, run_flat
 
 transformers = pytest.importorskip("transformers")
@@ -38,7 +47,8 @@ def test_qk_layernorm_is_kept_with_a_reason():
     assert set(kept) == set(layernorms(conv)) == {f"model.layers.{i}.self_attn.{q}_layernorm"
                                                   for i in range(2) for q in "qk"}
     assert all("not the residual stream" in r for r in kept.values())
-    assert torch.equal(conv.model.layers[1].self_attn.q_layernorm.weight, model.model.layers[1].self_attn.q_layernorm.weight)
+    q_ln = conv.model.layers[1].self_attn.q_layernorm
+    assert torch.equal(q_ln.weight, model.model.layers[1].self_attn.q_layernorm.weight)
     assert len(rmsnorms(conv)) == 3 and report.stock_reloadable
 
 
