@@ -60,6 +60,20 @@ def test_fold_final_into_lm_head_with_bias_stays_stock_reloadable(tmp_path):
     assert rel_err(run_flat(stock, INPUTS)["logits"], ref["logits"]) <= 1e-9
 
 
+def test_norms_without_bias_fold_gamma_into_bias_free_readers():
+    # With no β to place, γ alone folds into q/k/v even though they have no bias.
+    model = make(GPTJConfig, GPTJForCausalLM, **CFG)
+    for blk in model.transformer.h:
+        old = blk.ln_1
+        blk.ln_1 = torch.nn.LayerNorm(24, eps=old.eps, bias=False, dtype=torch.float64)
+        blk.ln_1.weight.data.copy_(old.weight)
+    conv, report = assert_exact(model, INPUTS)
+    ln = conv.transformer.h[0].ln_1
+    assert ln.weight is None and ln.bias is None and conv.transformer.h[0].attn.q_proj.bias is None
+    rec = next(r for r in report.structure.norms if r.name == "transformer.h.0.ln_1")
+    assert not rec.stock_bias and len(rec.folded_into) == 4 and report.structure.added_bias == []
+
+
 def test_qa_head_and_eps():
     model = make(GPTJConfig, GPTJForQuestionAnswering, layer_norm_epsilon=1e-12, **CFG)
     conv, _ = assert_exact(model, INPUTS)
