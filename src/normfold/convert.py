@@ -267,14 +267,16 @@ def apply_rmsnorm(model: nn.Module, plan: ConversionPlan, options: ConvertOption
         for path in stream.writers:
             edited += center_writer(model, path)
             report.centered.append(path)
-        for path in stream.recenter_after:
-            add_output_recenter(get(model, path))
-            structure.recenter_after.append(path)
         for site in stream.norms:
             record, n, grown = swap_norm(model, site, _will_fold(site, options), options)
             structure.norms.append(record)
             structure.added_bias += grown
             edited += n
+        # After the swaps: a recentred module may itself be a converted norm (BLOOM's embedding norm),
+        # and a hook on the replaced LayerNorm would be lost. io.apply_structure replays this order.
+        for path in stream.recenter_after:
+            add_output_recenter(get(model, path))
+            structure.recenter_after.append(path)
     report.tensors_edited = edited
     if structure.recenter_after or structure.added_bias:
         report.stock_reloadable = False

@@ -29,6 +29,14 @@ from .base import (
 # One module per family; each defines ADAPTER (or ADAPTERS). Adding a family = one line here.
 _BUILTIN_MODULES = (
     "gpt2",
+    "gpt_neo",
+    "gptj",
+    "gpt_neox",
+    "opt",
+    "bloom",
+    "phi",
+    "gpt_bigcode",
+    "falcon",
     "bert",
     "roberta",
     "distilbert",
