@@ -23,7 +23,7 @@ from .adapters import Adapter, ConversionPlan, NormSite, find_adapter
 from .adapters.base import get, parent_and_leaf
 from .errors import NonFiniteWeightsError, UnsupportedConversionError
 from .nn import RMSNorm
-from .nn.hooks import add_output_recenter
+from .nn.hooks import add_input_recenter, add_output_recenter
 from .report import ConversionReport, NormRecord, Structure
 
 Progress = Callable[[str], None]
@@ -260,13 +260,16 @@ def apply_rmsnorm(model: nn.Module, plan: ConversionPlan, options: ConvertOption
         for path in stream.recenter_after:
             add_output_recenter(get(model, path))
             structure.recenter_after.append(path)
+        for path in stream.recenter_before:
+            add_input_recenter(get(model, path))
+            structure.recenter_before.append(path)
         for site in stream.norms:
             record, n, grown = swap_norm(model, site, _will_fold(site, options), options)
             structure.norms.append(record)
             structure.added_bias += grown
             edited += n
     report.tensors_edited = edited
-    if structure.recenter_after or structure.added_bias:
+    if structure.recenter_after or structure.recenter_before or structure.added_bias:
         report.stock_reloadable = False
 
 
