@@ -29,6 +29,8 @@ from .base import (
 # One module per family; each defines ADAPTER (or ADAPTERS). Adding a family = one line here.
 _BUILTIN_MODULES = (
     "gpt2",
+    "vit",
+    "deit",
 )
 
 _REGISTRY: dict[str, Adapter] = {}
