@@ -113,3 +113,41 @@ def test_structure_round_trips_and_is_replayed():
     fresh.load_state_dict(conv.state_dict())
     assert has_input_recenter(fresh.blocks[0])
     assert torch.equal(fresh(FEATURES)["logits"], conv(FEATURES)["logits"])
+
+
+class PreNormModel(StemModel):
+    """x0 = pre(stem(features) + pos): a LayerNorm on the stream (like CLIP's pre_layrnorm)."""
+
+    def __init__(self, d=12, n=2):
+        super().__init__(d, n)
+        self.pre = nn.LayerNorm(d)
+
+    def forward(self, features):
+        x = self.pre(self.stem(features) + self.pos)
+        for blk in self.blocks:
+            x = blk(x)
+        return {"logits": self.head(self.ln_f(x))}
+
+
+def test_recenter_after_a_norm_that_is_itself_swapped():
+    # the hook must land on the RMSNorm that replaces `pre`, not on the discarded LayerNorm
+    torch.manual_seed(0)
+    model = PreNormModel().double().eval()
+    with torch.no_grad():
+        model.pre.weight.add_(torch.randn_like(model.pre.weight))
+
+    def plan(m):
+        p = _plan(m, recenter=False)
+        s = p.streams[0]
+        s.writers += ["stem", "pos"]
+        s.norms.append(NormSite("pre"))
+        s.recenter_after.append("pre")
+        return p
+
+    conv, report = normfold.convert(model, adapter=Adapter(name="toy", display_name="toy", plan=plan), verify=False)
+    from normfold.nn import RMSNorm
+    from normfold.nn.hooks import has_output_recenter
+
+    assert isinstance(conv.pre, RMSNorm) and has_output_recenter(conv.pre)
+    assert report.structure.recenter_after == ["pre"]
+    assert rel_err(conv(FEATURES)["logits"], model(FEATURES)["logits"]) <= 1e-12

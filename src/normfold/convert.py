@@ -257,17 +257,19 @@ def apply_rmsnorm(model: nn.Module, plan: ConversionPlan, options: ConvertOption
         for path in stream.writers:
             edited += center_writer(model, path)
             report.centered.append(path)
+        for site in stream.norms:
+            record, n, grown = swap_norm(model, site, _will_fold(site, options), options)
+            structure.norms.append(record)
+            structure.added_bias += grown
+            edited += n
+    # Hooks go on the final modules: a Recenter after a norm must survive that norm's swap.
+    for stream in plan.streams:
         for path in stream.recenter_after:
             add_output_recenter(get(model, path))
             structure.recenter_after.append(path)
         for path in stream.recenter_before:
             add_input_recenter(get(model, path))
             structure.recenter_before.append(path)
-        for site in stream.norms:
-            record, n, grown = swap_norm(model, site, _will_fold(site, options), options)
-            structure.norms.append(record)
-            structure.added_bias += grown
-            edited += n
     report.tensors_edited = edited
     if structure.recenter_after or structure.recenter_before or structure.added_bias:
         report.stock_reloadable = False

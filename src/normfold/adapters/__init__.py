@@ -31,6 +31,7 @@ _BUILTIN_MODULES = (
     "gpt2",
     "vit",
     "deit",
+    "clip",
 )
 
 _REGISTRY: dict[str, Adapter] = {}

@@ -25,7 +25,7 @@ from .base import (
     join,
 )
 from ._tower import present
-from ._images import image_inputs
+from ._inputs import image_inputs
 
 VIT_BLOCK = BlockTemplate(
     norms=(("layernorm_before", ("attention.q_proj", "attention.k_proj", "attention.v_proj")),
