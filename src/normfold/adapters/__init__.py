@@ -32,6 +32,7 @@ _BUILTIN_MODULES = (
     "vit",
     "deit",
     "clip",
+    "siglip",
 )
 
 _REGISTRY: dict[str, Adapter] = {}
