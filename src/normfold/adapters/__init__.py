@@ -33,6 +33,7 @@ _BUILTIN_MODULES = (
     "deit",
     "clip",
     "siglip",
+    "whisper",
 )
 
 _REGISTRY: dict[str, Adapter] = {}
