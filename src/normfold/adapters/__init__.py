@@ -34,6 +34,8 @@ _BUILTIN_MODULES = (
     "clip",
     "siglip",
     "whisper",
+    "mbart",
+    "bart",
 )
 
 _REGISTRY: dict[str, Adapter] = {}

@@ -2,15 +2,17 @@
 encoder and decoder. The same tower class sits at different paths depending on the head class
 (`CLIPModel.vision_model`, `CLIPVisionModel` itself, `WhisperForConditionalGeneration.model.encoder`),
 so plans find the tower by class name and expand a tower-relative `StreamTemplate` there.
+Also: the shared decision for a LayerNorm sitting on the stream right after the embeddings.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 from torch import nn
 
-from .base import StreamPlan, StreamTemplate, base_prefix, get, join
+from .base import NormSite, StreamPlan, StreamTemplate, base_prefix, get, join
 
 
 def module_path(model: nn.Module, *class_names: str) -> str | None:
@@ -40,3 +42,27 @@ def present(model: nn.Module, path: str) -> bool:
         return get(model, path) is not None
     except AttributeError:
         return False
+
+
+def is_constant(t: torch.Tensor | None) -> bool:
+    """All entries equal (or no tensor): then γ⊙n is zero-mean whenever n is."""
+    return t is None or bool((t == t.reshape(-1)[0]).all())
+
+
+def embedding_norm_on_stream(model: nn.Module, stream: StreamPlan, path: str) -> str:
+    """A LayerNorm sitting on the stream right after the embeddings (CLIP's pre_layrnorm, mBART's
+    layernorm_embedding). Its input is zero-mean (centred writers): it becomes an RMSNorm keeping
+    its affine, because its output *is* the stream. That output γ⊙n + β is zero-mean for every
+    input only when γ is constant: then β is centred like a writer; otherwise an explicit Recenter
+    follows the norm. Returns a note for the report."""
+    ln = get(model, path)
+    stream.norms.append(NormSite(path))
+    if is_constant(ln.weight):
+        if getattr(ln, "bias", None) is not None:
+            stream.writers.append(join(path, "bias"))
+        return (f"{path}: its weight is constant, so centring its bias keeps the stream zero-mean "
+                "(no Recenter needed)")
+    stream.recenter_after.append(path)
+    return (f"{path} sits on the stream: converted to RMSNorm (its input is zero-mean), but its affine "
+            "output γ⊙n + β is not zero-mean, so an explicit Recenter follows it (one O(d) op per token "
+            "instead of a LayerNorm in every block); the checkpoint is therefore not stock-reloadable")

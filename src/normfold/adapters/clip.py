@@ -20,23 +20,20 @@ per-token mean (which the conversion removes) reaches the logits.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from ..errors import UnsupportedConversionError
 from ._inputs import image_text_inputs
-from ._tower import expand_at, module_path
+from ._tower import embedding_norm_on_stream, expand_at, module_path
 from .base import (
     Adapter,
     BlockTemplate,
     Capabilities,
     ConversionPlan,
     NormSite,
-    StreamPlan,
     StreamTemplate,
     TinyExample,
     exists,
-    get,
     join,
 )
 
@@ -45,29 +42,6 @@ CLIP_BLOCK = BlockTemplate(
            ("layer_norm2", ("mlp.fc1",))),
     writers=("self_attn.out_proj", "mlp.fc2"),
 )
-
-
-def _is_constant(t: torch.Tensor | None) -> bool:
-    return t is None or bool((t == t.reshape(-1)[0]).all())
-
-
-def embedding_norm_on_stream(model: nn.Module, stream: StreamPlan, path: str) -> str:
-    """A LayerNorm sitting on the stream right after the embeddings (CLIP's pre_layrnorm, mBART's
-    layernorm_embedding). Its input is zero-mean (centred writers): it becomes an RMSNorm keeping
-    its affine, because its output *is* the stream. That output γ⊙n + β is zero-mean for every
-    input only when γ is constant: then β is centred like a writer; otherwise an explicit Recenter
-    follows the norm. Returns a note for the report."""
-    ln = get(model, path)
-    stream.norms.append(NormSite(path))
-    if _is_constant(ln.weight):
-        if getattr(ln, "bias", None) is not None:
-            stream.writers.append(join(path, "bias"))
-        return (f"{path}: its weight is constant, so centring its bias keeps the stream zero-mean "
-                "(no Recenter needed)")
-    stream.recenter_after.append(path)
-    return (f"{path} sits on the stream: converted to RMSNorm (its input is zero-mean), but its affine "
-            "output γ⊙n + β is not zero-mean, so an explicit Recenter follows it (one O(d) op per token "
-            "instead of a LayerNorm in every block); the checkpoint is therefore not stock-reloadable")
 
 
 TEXT_TOWER = StreamTemplate(
