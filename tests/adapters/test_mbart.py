@@ -26,7 +26,6 @@ def make():
     return realistic(MBartForConditionalGeneration(MBartConfig(**CFG)).eval().double())
 
 
-
 def logits(model):
     return run_flat(model, seq2seq_text_inputs(model, torch.Generator().manual_seed(0)))["logits"]
 

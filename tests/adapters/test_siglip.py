@@ -106,4 +106,5 @@ def test_fold_final():
     conv, report = normfold.convert(clf, fold_final=True, verify=False)
     assert conv.vision_model.post_layernorm.weight is None and conv.vision_model.post_layernorm.bias is None
     assert report.kept == []
-    assert rel_err(run_flat(conv, {"pixel_values": PIX})["logits"], run_flat(clf, {"pixel_values": PIX})["logits"]) <= 1e-9
+    x = {"pixel_values": PIX}
+    assert rel_err(run_flat(conv, x)["logits"], run_flat(clf, x)["logits"]) <= 1e-9

@@ -51,7 +51,8 @@ def test_structure():
     # proj_out was tied to embed_tokens: centring the table untied them
     assert conv.proj_out.weight is not dec.embed_tokens.weight and not conv.config.tie_word_embeddings
     assert torch.equal(conv.proj_out.weight, model.proj_out.weight)
-    assert isinstance(dec.layers[0].encoder_attn_layer_norm, RMSNorm) and dec.layers[0].encoder_attn_layer_norm.weight is None
+    cross_ln = dec.layers[0].encoder_attn_layer_norm
+    assert isinstance(cross_ln, RMSNorm) and cross_ln.weight is None
     assert enc.layer_norm.weight is not None and dec.layer_norm.weight is not None  # final norms keep their affine
     ref, got = run_flat(model, INPUTS), run_flat(conv, INPUTS)
     for k in ("logits", "encoder_last_hidden_state"):
@@ -76,7 +77,8 @@ def test_without_the_recenter_the_stem_breaks_exactness():
 
     model = make()
     with torch.no_grad():  # the GELU output's mean is what the Recenter removes
-        h = torch.nn.functional.gelu(model.model.encoder.conv2(torch.nn.functional.gelu(model.model.encoder.conv1(FEATS))))
+        gelu, enc = torch.nn.functional.gelu, model.model.encoder
+        h = gelu(enc.conv2(gelu(enc.conv1(FEATS))))
     assert h.mean(1).abs().min() > 1e-3
     conv, _ = normfold.convert(model, adapter=dataclasses.replace(adapter, plan=no_recenter), verify=False)
     assert rel_err(run_flat(conv, INPUTS)["logits"], run_flat(model, INPUTS)["logits"]) > 1e-4

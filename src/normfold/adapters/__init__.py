@@ -33,6 +33,7 @@ _BUILTIN_MODULES = (
     "deit",
     "clip",
     "siglip",
+    "siglip2",
     "whisper",
     "mbart",
     "bart",

@@ -35,25 +35,38 @@ MAP_HEAD_REASON = ("the attention-pooling head's residual stream is the pooled o
                    "probe token per image, so keeping this LayerNorm costs nothing measurable")
 
 
-def siglip_plan(model: nn.Module) -> ConversionPlan:
-    plan = ConversionPlan(adapter="siglip")
-    text = module_path(model, "SiglipTextModel")
-    vision = module_path(model, "SiglipVisionModel")
-    if text is not None:
-        stream = expand_at(TEXT_TOWER, model, text)
-        stream.norms.append(NormSite(join(text, "final_layer_norm"), (join(text, "head"),), final=True))
-        plan.streams.append(stream)
-    if vision is not None:
-        stream = expand_at(VISION_TOWER, model, vision)
-        head = join(vision, "head")
-        # every reader of post_layernorm: the pooling head's attention (not a foldable Linear: the
-        # affine then stays in the norm even with fold_final) and the classification head
-        readers = tuple(r for r in (join(head, "attention"), "classifier") if present(model, r))
-        stream.norms.append(NormSite(join(vision, "post_layernorm"), readers, final=True))
-        plan.streams.append(stream)
-        if present(model, head):
-            plan.kept.append(KeptNorm(join(head, "layernorm"), MAP_HEAD_REASON))
-    return plan
+def siglip_like_plan(adapter: str, text_cls: str, vision_cls: str, vision_tower: StreamTemplate,
+                     recenter_vision: str | None = None):
+    """The plan function for SigLIP-style models. SigLIP 2 reuses it with its own vision tower and
+    `recenter_vision`: a note saying why its vision stream is recentred before the first layer."""
+
+    def plan_of(model: nn.Module) -> ConversionPlan:
+        plan = ConversionPlan(adapter=adapter)
+        text = module_path(model, text_cls)
+        vision = module_path(model, vision_cls)
+        if text is not None:
+            stream = expand_at(TEXT_TOWER, model, text)
+            stream.norms.append(NormSite(join(text, "final_layer_norm"), (join(text, "head"),), final=True))
+            plan.streams.append(stream)
+        if vision is not None:
+            stream = expand_at(vision_tower, model, vision)
+            head = join(vision, "head")
+            # every reader of post_layernorm: the pooling head's attention (not a foldable Linear: the
+            # affine then stays in the norm even with fold_final) and the classification head
+            readers = tuple(r for r in (join(head, "attention"), "classifier") if present(model, r))
+            stream.norms.append(NormSite(join(vision, "post_layernorm"), readers, final=True))
+            plan.streams.append(stream)
+            if recenter_vision:
+                stream.recenter_before.append(join(vision, vision_tower.layers, "0"))
+                plan.notes.append(recenter_vision)
+            if present(model, head):
+                plan.kept.append(KeptNorm(join(head, "layernorm"), MAP_HEAD_REASON))
+        return plan
+
+    return plan_of
+
+
+siglip_plan = siglip_like_plan("siglip", "SiglipTextModel", "SiglipVisionModel", VISION_TOWER)
 
 
 _TEXT = dict(vocab_size=99, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

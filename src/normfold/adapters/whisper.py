@@ -114,7 +114,8 @@ def whisper_inputs(model: nn.Module, generator: torch.Generator, batch: int = 2,
     ids = torch.randint(0, cfg.vocab_size, (batch, min(seq, cfg.max_target_positions)), generator=generator)
     if "decoder_input_ids" in params:
         inputs["decoder_input_ids"] = ids
-    elif "input_features" not in params:  # WhisperForCausalLM, the decoder alone: give its cross-attention encoder states to read
+    elif "input_features" not in params:
+        # WhisperForCausalLM, the decoder alone: give its cross-attention encoder states to read
         inputs["input_ids"] = ids
         inputs["encoder_outputs"] = torch.randn(batch, 5, cfg.d_model, generator=generator)
     return inputs
