@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
 from torch import nn
 
 from .base import NormSite, StreamPlan, StreamTemplate, base_prefix, get, join
@@ -44,24 +43,20 @@ def present(model: nn.Module, path: str) -> bool:
         return False
 
 
-def is_constant(t: torch.Tensor | None) -> bool:
-    """All entries equal (or no tensor): then γ⊙n is zero-mean whenever n is."""
-    return t is None or bool((t == t.reshape(-1)[0]).all())
-
-
 def embedding_norm_on_stream(model: nn.Module, stream: StreamPlan, path: str) -> str:
     """A LayerNorm sitting on the stream right after the embeddings (CLIP's pre_layrnorm, mBART's
     layernorm_embedding). Its input is zero-mean (centred writers): it becomes an RMSNorm keeping
     its affine, because its output *is* the stream. That output γ⊙n + β is zero-mean for every
-    input only when γ is constant: then β is centred like a writer; otherwise an explicit Recenter
-    follows the norm. Returns a note for the report."""
+    input and every weight value only when the norm has no γ: then β (if any) is centred like a
+    writer; otherwise an explicit Recenter follows the norm. The test is structural, not on values
+    (a γ that happens to be constant is not looked for), so the plan holds for any weights, as
+    training-time reparametrization needs. Returns a note for the report."""
     ln = get(model, path)
     stream.norms.append(NormSite(path))
-    if is_constant(ln.weight):
+    if ln.weight is None:
         if getattr(ln, "bias", None) is not None:
             stream.writers.append(join(path, "bias"))
-        return (f"{path}: its weight is constant, so centring its bias keeps the stream zero-mean "
-                "(no Recenter needed)")
+        return f"{path} has no weight: centring its bias keeps the stream zero-mean (no Recenter needed)"
     stream.recenter_after.append(path)
     return (f"{path} sits on the stream: converted to RMSNorm (its input is zero-mean), but its affine "
             "output γ⊙n + β is not zero-mean, so an explicit Recenter follows it (one O(d) op per token "

@@ -9,10 +9,11 @@ provably zero-mean (paper 001 App. B):
   keeping its affine (its output is the stream). It needs no Recenter after it: the next norm is a
   LayerNorm again, which does its own centring.
 - a block norm LN_k: its input is x_k + F_k(x_k). F_k's output projection can be centred, but x_k
-  = γ⊙n + β is zero-mean for every input only if the previous norm's γ is constant and β = 0 (the
-  "affine disabled" case of App. B). Trained BART checkpoints have learned γ, β: their block norms
-  stay LayerNorms (reported with this reason); the plan converts any block norm whose predecessor
-  qualifies, so affine-free or constant-γ configurations convert further.
+  = γ⊙n + β is zero-mean for every input only if γ is constant and mean(β) = 0; the plan, which
+  must hold for any weight values (training-time reparametrization reuses it), asks for the
+  structural case: the previous norm has no affine at all (App. B's "affine disabled"). BART's
+  norms always have one, so its block norms stay LayerNorms (reported with this reason); a
+  hand-made affine-free norm lets the norm after it convert.
 
 Centring the shared token table unties it from `lm_head` (and gives the encoder, decoder and
 `shared` their own copies, which transformers' `tie_word_embeddings=False` loading requires): a
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ._tower import is_constant, module_path
+from ._tower import module_path
 from .base import Adapter, Capabilities, ConversionPlan, KeptNorm, NormSite, StreamPlan, TinyExample, get, join
 from .mbart import seq2seq_text_inputs
 
@@ -33,10 +34,10 @@ DECODER_BLOCK = (("self_attn_layer_norm", "self_attn.out_proj"), ("encoder_attn_
                  ("final_layer_norm", "fc2"))
 
 
-def zero_mean_output(ln: nn.Module) -> bool:
-    """γ⊙n + β is zero-mean for every input (n is): γ constant and no (or a zero) β."""
-    bias = getattr(ln, "bias", None)
-    return is_constant(ln.weight) and (bias is None or not bool(bias.detach().ne(0).any()))
+def affine_free(ln: nn.Module) -> bool:
+    """No γ and no β: the output n is zero-mean for every input and every weight value. (A constant
+    γ with β = 0 would do too, but plans are structural so that they hold under training.)"""
+    return getattr(ln, "weight", None) is None and getattr(ln, "bias", None) is None
 
 
 def post_ln_stream(model: nn.Module, name: str, tower: str, block: tuple[tuple[str, str], ...],
@@ -52,11 +53,11 @@ def post_ln_stream(model: nn.Module, name: str, tower: str, block: tuple[tuple[s
         layer = join(tower, f"layers.{i}")
         for norm, writer in block:
             path = join(layer, norm)
-            bad = [p for p in previous if not zero_mean_output(get(model, p))]
+            bad = [p for p in previous if not affine_free(get(model, p))]
             if bad:
                 plan.kept.append(KeptNorm(path, (
                     f"Post-LN: its input is x + F(x) where x is the output γ⊙n + β of {bad[0]}, which is not "
-                    "zero-mean (its weight is not constant or its bias is not zero), so LayerNorm ≠ RMSNorm here")))
+                    "zero-mean (that norm has an elementwise affine), so LayerNorm ≠ RMSNorm here")))
             else:
                 stream.writers.append(join(layer, writer))
                 stream.norms.append(NormSite(path))
@@ -74,7 +75,7 @@ def bart_plan(model: nn.Module) -> ConversionPlan:
         plan.streams.append(post_ln_stream(model, "decoder", decoder, DECODER_BLOCK, plan))
     plan.notes.append("BART is Post-LN: only norms whose input is provably zero-mean are converted "
                       "(layernorm_embedding after centring the embedding tables; a block norm only when the "
-                      "norm before it has a constant weight and no bias)")
+                      "norm before it has no elementwise affine)")
     if plan.kept:
         plan.notes.append(f"{len(plan.kept)} Post-LN block norms stay LayerNorm: expect no measurable speed-up")
     return plan

@@ -7,9 +7,9 @@ Two independent streams, one per tower, found wherever the head class keeps them
   `final_layer_norm` gives last_hidden_state, whose end-of-text row is read by `text_projection`.
 - vision: x0 = [class_embedding; patch_embedding(pixels)] + position_embedding, then
   `pre_layrnorm` *on the stream*: its input is zero-mean once those writers are centred, so it
-  becomes an RMSNorm, but its output γ⊙n + β (the stream the blocks add to) is zero-mean only if γ
-  is constant. So an explicit Recenter follows it (`recenter_after`), unless γ is constant, when
-  centring β is enough and the checkpoint stays stock-reloadable. The blocks are as in the text
+  becomes an RMSNorm, but its output γ⊙n + β (the stream the blocks add to) is not zero-mean for
+  a learned γ. So an explicit Recenter follows it (`recenter_after`); a norm without γ needs only
+  its β centred, and then the checkpoint stays stock-reloadable. The blocks are as in the text
   tower; there is no final norm on the stream: last_hidden_state *is* the raw stream (returned
   recentred: `centered_outputs`), and `post_layernorm` normalizes only the pooled class token
   (a row of the zero-mean stream, so exact), read by `visual_projection`.
