@@ -16,6 +16,7 @@ Pre-LN encoder-decoder with a LayerNorm on each stream right after the embedding
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -24,7 +25,8 @@ from ._tower import embedding_norm_on_stream, expand_at, module_path, present
 from .base import Adapter, Capabilities, ConversionPlan, NormSite, TinyExample, join
 from .whisper import DECODER, ENCODER, cross_attention_readers
 
-ENCODER_TABLES = ("embed_tokens", "embed_positions")
+# Whisper's block layout (same module names); mBART's encoder starts from embedding tables
+MBART_ENCODER = replace(ENCODER, sources=("embed_tokens", "embed_positions"))
 DECODER_HEADS = ("lm_head", "classification_head.dense", "qa_outputs")
 
 
@@ -33,9 +35,7 @@ def mbart_plan(model: nn.Module) -> ConversionPlan:
     encoder = module_path(model, "MBartEncoder")
     decoder = module_path(model, "MBartDecoder")
     if encoder is not None:
-        stream = expand_at(ENCODER, model, encoder)  # Whisper's block layout, same module names
-        stream.name = "encoder"
-        stream.writers[:0] = [join(encoder, t) for t in ENCODER_TABLES]
+        stream = expand_at(MBART_ENCODER, model, encoder)
         plan.notes.append(embedding_norm_on_stream(model, stream, join(encoder, "layernorm_embedding")))
         stream.norms.append(NormSite(join(encoder, "layer_norm"), cross_attention_readers(model, decoder), final=True))
         plan.streams.append(stream)

@@ -29,9 +29,10 @@ VISION_TOWER = StreamTemplate(
     layers="encoder.layers",
     block=CLIP_BLOCK,
 )
-_VISION_NOTE = ("the vision embeddings (Linear patches + a position table that transformers resizes in float32 "
-                "on CPU) are recentred explicitly on the input of encoder.layers.0, which keeps the conversion "
-                "exact in every dtype; checkpoints with a vision tower are therefore not stock-reloadable")
+_VISION_NOTE = ("the vision embeddings (Linear patches + a position table that transformers resizes in "
+                "float32 on CPU) are recentred explicitly on the input of the vision tower's first encoder "
+                "layer, which keeps the conversion exact in every dtype; checkpoints with a vision tower are "
+                "therefore not stock-reloadable")
 
 
 PLAN = siglip_like_plan("siglip2", "Siglip2TextModel", "Siglip2VisionModel", VISION_TOWER, _VISION_NOTE)

@@ -24,8 +24,8 @@ from .base import (
     base_prefix,
     join,
 )
-from ._tower import present
 from ._inputs import image_inputs
+from ._tower import present
 
 VIT_BLOCK = BlockTemplate(
     norms=(("layernorm_before", ("attention.q_proj", "attention.k_proj", "attention.v_proj")),
