@@ -23,7 +23,7 @@ from .adapters import Adapter, ConversionPlan, NormSite, find_adapter
 from .adapters.base import get, parent_and_leaf
 from .errors import NonFiniteWeightsError, UnsupportedConversionError
 from .nn import RMSNorm
-from .nn.hooks import add_output_recenter
+from .nn.hooks import add_input_recenter, add_output_recenter
 from .report import ConversionReport, NormRecord, Structure
 
 Progress = Callable[[str], None]
@@ -272,13 +272,17 @@ def apply_rmsnorm(model: nn.Module, plan: ConversionPlan, options: ConvertOption
             structure.norms.append(record)
             structure.added_bias += grown
             edited += n
-        # After the swaps: a recentred module may itself be a converted norm (BLOOM's embedding norm),
-        # and a hook on the replaced LayerNorm would be lost. io.apply_structure replays this order.
+    # Hooks go on the final modules, after every swap: a Recenter after a norm (BLOOM's embedding
+    # norm, CLIP's pre_layrnorm) must survive that norm's swap. io.apply_structure replays this order.
+    for stream in plan.streams:
         for path in stream.recenter_after:
             add_output_recenter(get(model, path))
             structure.recenter_after.append(path)
+        for path in stream.recenter_before:
+            add_input_recenter(get(model, path))
+            structure.recenter_before.append(path)
     report.tensors_edited = edited
-    if structure.recenter_after or structure.added_bias:
+    if structure.recenter_after or structure.recenter_before or structure.added_bias:
         report.stock_reloadable = False
 
 

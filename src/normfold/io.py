@@ -32,7 +32,7 @@ from torch import nn
 from .adapters.base import get, parent_and_leaf
 from .errors import CheckpointError, ModelNotFoundError, NormfoldError, NotAModelError, OutputExistsError
 from .nn import norm_type
-from .nn.hooks import add_output_recenter
+from .nn.hooks import add_input_recenter, add_output_recenter
 from .report import ConversionReport, Structure
 
 STOCK_WEIGHTS = "model.safetensors"
@@ -257,6 +257,8 @@ def apply_structure(model: nn.Module, structure: Structure) -> nn.Module:
         setattr(parent, leaf, new)
     for path in structure.recenter_after:
         add_output_recenter(get(model, path))
+    for path in structure.recenter_before:
+        add_input_recenter(get(model, path))
     for path in structure.added_bias:
         module = get(model, path)
         if getattr(module, "bias", None) is None:

@@ -35,6 +35,7 @@ class Structure:
 
     norms: list[NormRecord] = field(default_factory=list)
     recenter_after: list[str] = field(default_factory=list)  # modules whose output gets a Recenter
+    recenter_before: list[str] = field(default_factory=list)  # modules whose stream input gets a Recenter
     added_bias: list[str] = field(default_factory=list)  # modules that grew a bias parameter
     untied: list[str] = field(default_factory=list)  # parameter names given their own storage
 
@@ -45,6 +46,7 @@ class Structure:
     def from_dict(cls, d: dict) -> "Structure":
         return cls(norms=[NormRecord(**n) for n in d.get("norms", [])],
                    recenter_after=list(d.get("recenter_after", [])),
+                   recenter_before=list(d.get("recenter_before", [])),
                    added_bias=list(d.get("added_bias", [])),
                    untied=list(d.get("untied", [])))
 

@@ -41,6 +41,14 @@ _BUILTIN_MODULES = (
     "roberta",
     "distilbert",
     "electra",
+    "vit",
+    "deit",
+    "clip",
+    "siglip",
+    "siglip2",
+    "whisper",
+    "mbart",
+    "bart",
 )
 
 _REGISTRY: dict[str, Adapter] = {}

@@ -52,6 +52,9 @@ class StreamPlan:
     # Modules whose output must be recentred explicitly (a non-linear stem, a norm sitting on the
     # stream with an affine): their output is added to / becomes the stream but is not zero-mean.
     recenter_after: list[str] = field(default_factory=list)
+    # Modules whose stream input must be recentred explicitly (a forward pre-hook): the stream is
+    # built by functional code with no module to hook after (Whisper: conv -> F.gelu -> + positions).
+    recenter_before: list[str] = field(default_factory=list)
 
 
 @dataclass

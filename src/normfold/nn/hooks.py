@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from torch import nn
+from torch import Tensor, nn
 
 _MARK = "_normfold_recenter_handle"
+_INPUT_MARK = "_normfold_input_recenter_handle"
+
+
+def _recenter(x: Tensor) -> Tensor:
+    return x - x.mean(dim=-1, keepdim=True)
 
 
 def _recenter_output(module: nn.Module, args, output):
-    return output - output.mean(dim=-1, keepdim=True)
+    return _recenter(output)
 
 
 def add_output_recenter(module: nn.Module) -> None:
@@ -20,3 +25,25 @@ def add_output_recenter(module: nn.Module) -> None:
 
 def has_output_recenter(module: nn.Module) -> bool:
     return getattr(module, _MARK, None) is not None
+
+
+def _recenter_input(module: nn.Module, args, kwargs):
+    # The stream is the first positional argument (HF layers: hidden_states), or passed by name.
+    if args and isinstance(args[0], Tensor):
+        return (_recenter(args[0]), *args[1:]), kwargs
+    if isinstance(kwargs.get("hidden_states"), Tensor):
+        return args, {**kwargs, "hidden_states": _recenter(kwargs["hidden_states"])}
+    raise TypeError(f"normfold: cannot find the stream input of {type(module).__name__} to recenter "
+                    "(expected a tensor as first argument or as hidden_states=)")
+
+
+def add_input_recenter(module: nn.Module) -> None:
+    """Recenter `module`'s stream input (first argument) over its last dimension: an explicit Recenter
+    where the stream is built by code that is not a module (Whisper's conv → functional GELU stem).
+    Idempotent; visible as `module._normfold_input_recenter_handle`."""
+    if getattr(module, _INPUT_MARK, None) is None:
+        setattr(module, _INPUT_MARK, module.register_forward_pre_hook(_recenter_input, with_kwargs=True))
+
+
+def has_input_recenter(module: nn.Module) -> bool:
+    return getattr(module, _INPUT_MARK, None) is not None
