@@ -11,7 +11,7 @@ import traceback
 from .. import __version__
 from ..errors import NormfoldError
 
-_COMMANDS = ("convert", "verify", "bench")
+_COMMANDS = ("convert", "verify", "bench", "fuse")
 
 DESCRIPTION = """\
 normfold turns LayerNorm Transformers into arithmetically equivalent RMSNorm models.
