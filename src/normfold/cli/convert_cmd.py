@@ -25,6 +25,10 @@ What happens (--to rmsnorm):
      against its own float64 version);
   5. DIR is written atomically: weights (safetensors), config, tokenizer files, normfold.json.
 
+--to un is different: every LayerNorm becomes a UnifiedNorm (paper 004) initialised from its scale,
+shift and eps, for fine-tuning. That changes the model's function, so nothing is verified (the report
+says so); after fine-tuning, `normfold fuse DIR --out DIR2` folds the norms into the linear layers.
+
 The result loads with plain transformers (AutoModelForCausalLM.from_pretrained(DIR)) where the
 report says stock_reloadable, and with normfold.load(DIR) to get normfold's fast RMSNorm kernels.
 """

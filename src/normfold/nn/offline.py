@@ -13,6 +13,8 @@ All state lives in buffers, so `state_dict` round-trips it. Under DistributedDat
 statistics are those of each process's local batch (like nn.BatchNorm without SyncBatchNorm); with
 DDP's default `broadcast_buffers=True`, every process starts each forward from rank 0's buffers,
 so the windows and running statistics stay identical across processes (rank 0's history).
+A training step is one forward and one backward: the forward records σ_t², the backward g_t
+(activation checkpointing, which re-runs forwards, would record statistics twice).
 """
 
 from __future__ import annotations
