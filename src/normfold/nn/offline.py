@@ -160,7 +160,8 @@ class OfflineNorm(nn.Module):
             raise ValueError(f"window sizes must be >= 1 (got M={self.M}, M_grad={self.M_grad})")
         if self.outlier_filtration and (cfg.forward != "gm" or self.M < 2):
             raise ValueError("outlier filtration (eq. 19) compares a window of M > 1 recorded statistics; "
-                             f"method {method!r} with M={self.M} has none")
+                             f"method {method!r} with M={self.M} has none: use M > 1 with method 'un', "
+                             "or outlier_filtration=False")
         if not (0.0 <= self.alpha < 1.0 and 0.0 <= self.eta < 1.0):
             raise ValueError(f"momenta must lie in [0, 1): alpha={alpha}, eta={eta}")
         factory = {"device": device, "dtype": dtype}
