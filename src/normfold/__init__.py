@@ -5,6 +5,7 @@ and run them faster. See README.md and DESIGN.md.
     converted, report = normfold.convert(model, to="rmsnorm")
     normfold.save(converted, report, "out-dir")
     model = normfold.load("out-dir")
+    fused, report = normfold.fuse_offline_norms(model)   # after fine-tuning a --to un model
 """
 
 from __future__ import annotations
@@ -14,5 +15,7 @@ __version__ = "0.1.0"
 from .errors import NormfoldError  # noqa: E402
 from .convert import convert  # noqa: E402  (the function shadows the submodule name on purpose)
 from .io import load, save  # noqa: E402
+from . import un as _un  # noqa: E402,F401  (registers the "un" conversion variant)
+from .fuse import fuse_offline_norms  # noqa: E402
 
-__all__ = ["__version__", "NormfoldError", "convert", "load", "save"]
+__all__ = ["__version__", "NormfoldError", "convert", "load", "save", "fuse_offline_norms"]

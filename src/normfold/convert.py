@@ -43,6 +43,7 @@ class ConvertOptions:
     keep_affine: bool = False
     fold_final: bool = False
     allow_new_bias: bool = False
+    variant_options: dict = field(default_factory=dict)  # passed to the variant (e.g. UnifiedNorm's M, warmup)
 
 
 @dataclass
@@ -320,22 +321,32 @@ def _kept_norms(model: nn.Module, plan: ConversionPlan, converted: set[str]) -> 
     return kept
 
 
+def not_verified(variant: Variant, dtype: str) -> dict:
+    """The `verification` entry of a variant that changes the model's function on purpose."""
+    return {"performed": False, "passed": None, "dtype": dtype, "max_abs_error": None, "max_rel_error": None,
+            "top1_agreement": None, "fp64": None,
+            "reason": f"{variant.name} is not output-exact ({variant.description}); no float64 equivalence check "
+                      "was run"}
+
+
 def convert(model: nn.Module, to: str = "rmsnorm", *, keep_affine: bool = False, fold_final: bool = False,
             allow_new_bias: bool = False, adapter: Adapter | None = None, inplace: bool = False,
             verify: bool = True, inputs: dict | None = None, fp64_tol: float = 1e-9,
-            progress: Progress | None = None) -> tuple[nn.Module, ConversionReport]:
+            progress: Progress | None = None, variant_options: dict | None = None) -> tuple[nn.Module, ConversionReport]:
     """Convert `model` and return (converted model in eval mode, report).
 
     The original is not modified unless `inplace=True`. With `verify=True` (default) both models
     are run on `inputs` (default: the adapter's example inputs) in float64 and in the working
     dtype, and the numbers go to `report.verification`; failing verification does not raise here
-    (see `report.verification["passed"]`; the CLI exits 1).
+    (see `report.verification["passed"]`; the CLI exits 1). A variant that is not output-exact
+    (`Variant.exact` False, e.g. "un") is not verified: the report says so (`performed: false`).
     """
     say = progress or (lambda msg: None)
     if to not in VARIANTS:
         raise UnsupportedConversionError(f"unknown conversion target {to!r}; available: {', '.join(VARIANTS)}")
     variant = VARIANTS[to]
-    options = ConvertOptions(keep_affine=keep_affine, fold_final=fold_final, allow_new_bias=allow_new_bias)
+    options = ConvertOptions(keep_affine=keep_affine, fold_final=fold_final, allow_new_bias=allow_new_bias,
+                             variant_options=dict(variant_options or {}))
     t0 = time.perf_counter()
     adapter = adapter or find_adapter(model)
     if adapter.check is not None:
@@ -359,7 +370,9 @@ def convert(model: nn.Module, to: str = "rmsnorm", *, keep_affine: bool = False,
     target.eval()
     report.kept = _kept_norms(original, plan, {r.name for r in report.structure.norms})
     report.seconds["convert"] = round(time.perf_counter() - t0, 3)
-    if verify:
+    if not variant.exact:
+        report.verification = not_verified(variant, report.dtype)
+    elif verify:
         from .verify import verify_conversion
 
         t1 = time.perf_counter()

@@ -252,7 +252,7 @@ def apply_structure(model: nn.Module, structure: Structure) -> nn.Module:
     for rec in structure.norms:
         ln = get(model, rec.name)
         cls = norm_type(rec.type)
-        new = cls.from_layernorm(ln, keep_weight=rec.weight, keep_bias=rec.bias)
+        new = cls.from_layernorm(ln, keep_weight=rec.weight, keep_bias=rec.bias, **rec.options)
         parent, leaf = parent_and_leaf(model, rec.name)
         setattr(parent, leaf, new)
     for path in structure.recenter_after:

@@ -27,6 +27,8 @@ class NormRecord:
     # Whether the stock module had these parameters (a stock-layout save writes ones / zeros there).
     stock_weight: bool = True
     stock_bias: bool = True
+    # Constructor options of the new module beyond eps/weight/bias (e.g. UnifiedNorm's window sizes).
+    options: dict = field(default_factory=dict)
 
 
 @dataclass

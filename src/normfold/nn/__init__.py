@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from .norms import CRMSNorm, Recenter, RMSNorm
+from .offline import METHODS, FixedAffine, FoldedNorm, Method, OfflineNorm, UnifiedNorm, padding, reset_steps
 
 # Norm classes a saved report may name (normfold.load looks them up here); later modules register more.
 NORM_TYPES: dict[str, type[nn.Module]] = {"RMSNorm": RMSNorm, "CRMSNorm": CRMSNorm}
@@ -22,4 +23,8 @@ def norm_type(name: str) -> type[nn.Module]:
         raise KeyError(f"unknown normfold norm type {name!r}; known: {', '.join(NORM_TYPES)}") from None
 
 
-__all__ = ["RMSNorm", "CRMSNorm", "Recenter", "NORM_TYPES", "register_norm_type", "norm_type"]
+for _cls in (OfflineNorm, UnifiedNorm, FixedAffine, FoldedNorm):
+    register_norm_type(_cls)
+
+__all__ = ["RMSNorm", "CRMSNorm", "Recenter", "NORM_TYPES", "register_norm_type", "norm_type",
+           "OfflineNorm", "UnifiedNorm", "Method", "METHODS", "FixedAffine", "FoldedNorm", "padding", "reset_steps"]
