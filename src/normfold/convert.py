@@ -54,6 +54,7 @@ class Variant:
     description: str
     apply: Callable[[nn.Module, ConversionPlan, ConvertOptions, ConversionReport], None]
     exact: bool = True  # output-equivalent to the original (then float64 verification applies)
+    takes_options: bool = False  # accepts variant_options (--option KEY=VALUE); apply() validates them
 
 
 VARIANTS: dict[str, Variant] = {}
@@ -345,6 +346,10 @@ def convert(model: nn.Module, to: str = "rmsnorm", *, keep_affine: bool = False,
     if to not in VARIANTS:
         raise UnsupportedConversionError(f"unknown conversion target {to!r}; available: {', '.join(VARIANTS)}")
     variant = VARIANTS[to]
+    if variant_options and not variant.takes_options:
+        raise UnsupportedConversionError(
+            f"--to {to} takes no options (got {', '.join(sorted(variant_options))}); "
+            f"options exist for: {', '.join(n for n, v in VARIANTS.items() if v.takes_options) or 'none'}")
     options = ConvertOptions(keep_affine=keep_affine, fold_final=fold_final, allow_new_bias=allow_new_bias,
                              variant_options=dict(variant_options or {}))
     t0 = time.perf_counter()

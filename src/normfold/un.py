@@ -82,4 +82,4 @@ def apply_un(model: nn.Module, plan, options: ConvertOptions, report: Conversion
 
 
 register_variant(Variant("un", "LayerNorm -> Unified Normalization (paper 004) for fine-tuning; not output-exact",
-                         apply_un, exact=False))
+                         apply_un, exact=False, takes_options=True))

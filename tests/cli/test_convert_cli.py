@@ -181,3 +181,10 @@ def test_console_entry_point_runs(tmp_path):
                            str(tmp_path / "o")], capture_output=True, text=True, env=env)
     assert proc.returncode == 2 and "no such directory" in proc.stderr and "Traceback" not in proc.stderr
     assert not Path(tmp_path / "o").exists()
+
+
+def test_options_are_refused_by_targets_that_take_none(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, _, err = run_cli(["convert", tiny_dir, "--out", out, "--option", "warmup=5"], capsys)
+    assert_clean_error(code, err, 2, "--to rmsnorm takes no options")
+    assert "un" in err and not out.exists()
