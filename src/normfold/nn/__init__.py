@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .norms import CRMSNorm, Recenter, RMSNorm
+from .norms import AddCRMSNorm, AddRMSNorm, CRMSNorm, Recenter, RMSNorm
 
 # Norm classes a saved report may name (normfold.load looks them up here); later modules register more.
 NORM_TYPES: dict[str, type[nn.Module]] = {"RMSNorm": RMSNorm, "CRMSNorm": CRMSNorm}
@@ -22,4 +22,4 @@ def norm_type(name: str) -> type[nn.Module]:
         raise KeyError(f"unknown normfold norm type {name!r}; known: {', '.join(NORM_TYPES)}") from None
 
 
-__all__ = ["RMSNorm", "CRMSNorm", "Recenter", "NORM_TYPES", "register_norm_type", "norm_type"]
+__all__ = ["RMSNorm", "CRMSNorm", "AddRMSNorm", "AddCRMSNorm", "Recenter", "NORM_TYPES", "register_norm_type", "norm_type"]
