@@ -15,11 +15,11 @@ needs_kernel = pytest.mark.skipif(cpu.library() is None, reason="CPU kernel unav
 
 @pytest.fixture
 def fresh_library(monkeypatch):
-    """Let a test rebuild/reload the kernel library; the real one is reloaded afterwards."""
-    cpu.reset()
+    """Let a test change the environment and rebuild/reload the library; restored afterwards."""
+    ops.reload_environment()
     yield
     monkeypatch.undo()
-    cpu.reset()
+    ops.reload_environment()
 
 
 @pytest.fixture
@@ -33,18 +33,21 @@ def test_float64_and_other_devices_use_reference():
 
 
 @needs_kernel
-def test_forced_reference_backend(monkeypatch):
+def test_forced_reference_backend(monkeypatch, fresh_library):
     monkeypatch.setenv("NORMFOLD_BACKEND", "reference")
+    ops.reload_environment()
     x = torch.randn(3, 10)
     assert ops.backend_for(x) == "reference"
     assert rel(ops.rms_norm(x), reference.rms_norm(x.double())) < 1e-6
     monkeypatch.setenv("NORMFOLD_BACKEND", "cpu-kernel")
+    ops.reload_environment()
     assert ops.backend_for(x) == "cpu-kernel"
 
 
-def test_kernel_disabled_by_environment(monkeypatch):
+def test_kernel_disabled_by_environment(monkeypatch, fresh_library):
     monkeypatch.setenv("NORMFOLD_CPU_KERNEL", "0")
-    assert cpu.library() is None
+    ops.reload_environment()
+    assert cpu.library() is None and cpu.status()["disabled"]
     assert ops.backend_for(torch.randn(2, 4)) == "reference"
     x = torch.randn(3, 10, requires_grad=True)
     assert rel(ops.rms_norm(x), reference.rms_norm(x.double())) < 1e-6
@@ -75,6 +78,7 @@ def test_no_compiler_falls_back(monkeypatch, empty_cache):
 def test_portable_vector_build(monkeypatch, fresh_library):
     # The non-AVX-512 code (what AVX2, SSE or NEON machines run), built on this machine.
     monkeypatch.setenv("NORMFOLD_CPU_ISA", "generic")
+    ops.reload_environment()
     assert cpu.status()["isa"] == "vector"
     for dtype in DTYPES:
         for compressed in (False, True):
@@ -91,7 +95,7 @@ def test_portable_vector_build(monkeypatch, fresh_library):
 def test_library_is_cached_and_reused(fresh_library):
     lib = cpu.library()
     path = cpu.status()["library"]
-    cpu.reset()
+    ops.reload_environment()
     assert cpu.library() is not None and cpu.status()["library"] == path
     assert lib is not None
 

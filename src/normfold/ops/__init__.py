@@ -9,7 +9,9 @@ registered backend (see `normfold.ops.registry`) that supports the input:
   (docs/kernels-cpu.md has the measurements behind this choice);
 - anything else (float64, devices without a backend): the reference formula.
 
-NORMFOLD_BACKEND=reference forces the reference path everywhere (for debugging and A/B tests).
+NORMFOLD_BACKEND=reference forces the reference path everywhere (for debugging and A/B tests);
+NORMFOLD_CPU_KERNEL=0 disables the C kernels. Both are read once (at import / first use): call
+`reload_environment()` after changing them in a running process.
 """
 
 from __future__ import annotations
@@ -20,13 +22,20 @@ from torch import Tensor
 from ..errors import NormInputError
 from . import cpu, reference
 from .reference import layer_norm
+from . import registry
 from .registry import REFERENCE, Backend, backends, register_backend, select, unregister_backend
 
 __all__ = ["layer_norm", "rms_norm", "crms_norm", "add_rms_norm", "add_crms_norm", "backend_for",
-           "register_backend", "unregister_backend", "backends", "Backend", "reference"]
+           "register_backend", "unregister_backend", "backends", "Backend", "reload_environment", "reference"]
 
 # Backends, highest priority first where devices overlap.
 register_backend("cpu-kernel", cpu, priority=0)
+
+
+def reload_environment() -> None:
+    """Re-read NORMFOLD_BACKEND / NORMFOLD_CPU_KERNEL / NORMFOLD_CPU_ISA (they are read once)."""
+    registry.reload_environment()
+    cpu.reset()
 
 
 def _compiling() -> bool:

@@ -11,6 +11,8 @@ reused on a different CPU.
 If no compiler is found or every build fails, `library()` returns None (with one warning) and the
 dispatcher uses the reference PyTorch ops. NORMFOLD_CPU_KERNEL=0 forces that fallback;
 NORMFOLD_CPU_ISA=generic builds the portable version even on an AVX-512 machine (for testing).
+Both are read when the library is first needed (call `reset()` after changing them at run time):
+reading the environment on every call would cost more than a small norm itself.
 
 Backend interface (see normfold.ops.registry): `supports`, `forward`, `add_forward`, `backward`.
 """
@@ -44,6 +46,7 @@ _FLAG_SETS = (
     [],
 )
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_PARAM_FAST = frozenset(DTYPE_CODES)
 ISA_NAMES = {2: "avx512", 1: "vector"}
 
 _lock = threading.Lock()
@@ -51,6 +54,8 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 _build_error: str | None = None
 _lib_path: str | None = None
+_dtypes: frozenset = frozenset()  # dtypes the loaded library handles (empty when unavailable)
+_disabled = False
 
 
 def cache_dir() -> Path:
@@ -130,20 +135,26 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, building it on first call; None when unavailable."""
-    global _lib, _tried, _build_error, _lib_path
-    if _tried:
-        return None if disabled() else _lib
-    if disabled():
-        return None
+    """The loaded kernel library, building it on first call; None when unavailable or disabled."""
+    if not _tried:
+        _load()
+    return _lib
+
+
+def _load() -> None:
+    global _lib, _tried, _build_error, _lib_path, _dtypes, _disabled
     with _lock:
         if _tried:
-            return _lib
+            return
+        _disabled = disabled()
+        if _disabled:
+            _tried = True
+            return
         cc = _compiler()
         if cc is None or platform.system() != "Linux":
             _build_error = "no C compiler found" if cc is None else f"unsupported platform {platform.system()}"
             _tried = True
-            return None
+            return
         source = _sources()
         ident = _compiler_id(cc).encode() + platform.machine().encode() + _cpu_signature().encode()
         extra = ["-DNF_FORCE_GENERIC"] if _forced_generic() else []
@@ -159,38 +170,37 @@ def library() -> ctypes.CDLL | None:
                 _declare(lib)
                 if lib.nf_abi_version() != _ABI_VERSION:
                     raise OSError("kernel ABI version mismatch")
+                _dtypes = frozenset(dt for dt, code in DTYPE_CODES.items() if lib.nf_supports_dtype(code))
                 _lib, _lib_path, _tried = lib, str(target), True
-                return _lib
+                return
             except (OSError, subprocess.SubprocessError) as exc:
                 detail = getattr(exc, "stderr", "") or str(exc)
                 errors.append(f"{' '.join(flags)}: {detail.strip()[:500]}")
         _build_error = "; ".join(errors)
         _tried = True
-        warnings.warn(f"normfold: CPU kernel build failed, using PyTorch fallback ({_build_error})",
-                      RuntimeWarning, stacklevel=2)
-        return None
+    warnings.warn(f"normfold: CPU kernel build failed, using PyTorch fallback ({_build_error})",
+                  RuntimeWarning, stacklevel=3)
 
 
 def reset() -> None:
-    """Forget the loaded library so the next call builds/loads again (tests, after changing env)."""
-    global _lib, _tried, _build_error, _lib_path
+    """Forget the loaded library and re-read the environment on next use (tests, switches)."""
+    global _lib, _tried, _build_error, _lib_path, _dtypes
     with _lock:
-        _lib, _tried, _build_error, _lib_path = None, False, None, None
+        _lib, _tried, _build_error, _lib_path, _dtypes = None, False, None, None, frozenset()
 
 
 def status() -> dict:
     """What the CPU path is doing, for `normfold bench` and bug reports."""
     lib = library()
-    return {"available": lib is not None, "disabled": disabled(), "error": _build_error,
+    return {"available": lib is not None, "disabled": _disabled, "error": _build_error,
             "isa": ISA_NAMES.get(lib.nf_isa()) if lib is not None else None,
             "library": _lib_path, "cache": str(cache_dir())}
 
 
 def supports(x: Tensor) -> bool:
-    if x.device.type != "cpu" or x.dtype not in DTYPE_CODES or x.dim() < 1 or x.numel() == 0:
-        return False
-    lib = library()
-    return lib is not None and bool(lib.nf_supports_dtype(DTYPE_CODES[x.dtype]))
+    if not _tried:
+        _load()
+    return x.is_cpu and x.dtype in _dtypes and x.dim() >= 1 and x.numel() > 0
 
 
 # ---- raw kernel calls (no autograd) -----------------------------------------------------------------
@@ -198,6 +208,8 @@ def supports(x: Tensor) -> bool:
 def _rows(t: Tensor, n: int) -> tuple[Tensor, int]:
     """t as (rows, n) with a unit last stride, and the distance between its rows (a view when
     possible: a slice x[..., :k] of a contiguous tensor is read in place)."""
+    if t.is_contiguous():
+        return t, n
     t2 = t.reshape(-1, n)
     if t2.stride(1) != 1 or (t2.shape[0] > 1 and t2.stride(0) < n):
         t2 = t2.contiguous()
@@ -208,6 +220,9 @@ def _param(p: Tensor | None, n: int, x: Tensor, name: str) -> tuple[Tensor | Non
     """A weight/bias the kernel can read (contiguous, float32 or x's dtype) and its dtype code."""
     if p is None:
         return None, 0
+    if p.dtype in _PARAM_FAST and p.is_contiguous() and p.is_cpu and p.numel() == n and (
+            p.dtype == torch.float32 or p.dtype == x.dtype):
+        return p, DTYPE_CODES[p.dtype]  # the common case, without extra tensor ops
     if p.numel() != n:
         raise ValueError(f"{name} has {p.numel()} elements, expected the normalized width {n}")
     p = p.detach()
@@ -218,15 +233,20 @@ def _param(p: Tensor | None, n: int, x: Tensor, name: str) -> tuple[Tensor | Non
     return p.contiguous(), DTYPE_CODES[p.dtype]
 
 
+def _empty(x: Tensor) -> Tensor:
+    # empty_like is the cheaper call, and contiguous for a contiguous x
+    return torch.empty_like(x) if x.is_contiguous() else torch.empty(x.shape, dtype=x.dtype)
+
+
 def _launch_fwd(x: Tensor, residual: Tensor | None, weight, bias, eps: float, compressed: bool, want_rstd: bool):
-    lib = library()
+    lib = _lib
     n = x.shape[-1]
     x2, xs = _rows(x, n)
-    rows = x2.shape[0]
+    rows = x.numel() // n
     r2, rst = _rows(residual, n) if residual is not None else (None, 0)
     (w, wdt), (b, bdt) = _param(weight, n, x, "weight"), _param(bias, n, x, "bias")
-    y = torch.empty(x.shape, dtype=x.dtype)
-    s = torch.empty(x.shape, dtype=x.dtype) if residual is not None else None
+    y = _empty(x)
+    s = _empty(x) if residual is not None else None
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32) if want_rstd else None
     rc = lib.nf_forward(DTYPE_CODES[x.dtype], x2.data_ptr(), xs, None if r2 is None else r2.data_ptr(), rst,
                         None if w is None else w.data_ptr(), wdt, None if b is None else b.data_ptr(), bdt,
@@ -260,15 +280,15 @@ def backward(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, compres
     """Gradients of y = norm(x) given dy; `x` is the normalized input (the sum s for the fused
     variant, whose own gradient `ds` is then added to dx in the same pass). Returns
     (dx, dweight or None, dbias or None); dweight/dbias in float32."""
-    lib = library()
+    lib = _lib
     n = x.shape[-1]
     x2, xs = _rows(x, n)
-    rows = x2.shape[0]
+    rows = x.numel() // n
     dy2 = dy.to(x.dtype).reshape(rows, n).contiguous()
     ds2 = None if ds is None else ds.to(x.dtype).reshape(rows, n).contiguous()
     w, wdt = _param(weight, n, x, "weight")
     rstd = rstd.reshape(rows).contiguous()
-    dx = torch.empty(x.shape, dtype=x.dtype)
+    dx = _empty(x)
     threads = max(1, torch.get_num_threads())
     # Per-thread float32 partial rows; the kernel sums them into row 0.
     dw_part = torch.empty(threads, n, dtype=torch.float32) if need_dw else None

@@ -17,7 +17,8 @@ dimension, take `weight`/`bias` that may be None, and never build an autograd gr
 Register with `register_backend("name", impl, priority)`; the dispatcher asks backends in order of
 priority (highest first) and uses the first whose `supports(x)` is true, else the reference ops.
 NORMFOLD_BACKEND=name restricts the choice to that backend (falling back to the reference when it
-does not support the input); NORMFOLD_BACKEND=reference forces the reference everywhere.
+does not support the input); NORMFOLD_BACKEND=reference forces the reference everywhere. It is
+read at import; `reload_environment()` reads it again.
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ class Backend:
 
 
 _backends: list[Backend] = []
+_forced: str | None = None
+
+
+def reload_environment() -> None:
+    global _forced
+    _forced = os.environ.get("NORMFOLD_BACKEND") or None
+
+
+reload_environment()
 
 
 def register_backend(name: str, impl: Any, priority: int = 0) -> Backend:
@@ -65,7 +75,7 @@ def backends() -> list[Backend]:
 
 def select(x: Tensor) -> Backend | None:
     """The backend that will compute ops on x, or None for the reference ops."""
-    forced = os.environ.get("NORMFOLD_BACKEND")
+    forced = _forced
     for b in _backends:
         if (not forced or forced == b.name) and b.impl.supports(x):
             return b
