@@ -1,22 +1,23 @@
 /* Row kernels of (C)RMSNorm for one storage dtype. Included once per dtype by rmsnorm_cpu.c with
  * NF_T (element type) and NF_S (suffix: f32, bf16, f16) defined; no include guard on purpose.
- * NF_USE_PAIRS (bf16 only) switches the forward to the paired kernels of nf_bf16pairs.h.
+ * NF_USE_BF16DOT (bf16 only) takes the row statistics from nf_bf16dot.h.
  *
  * Every row is read from memory once: the statistics pass brings it into L1, the second pass
  * (normalize, or the gradient) reads it from there. All arithmetic is float32; each output is
  * rounded once to the storage dtype.
  *
  * Rows go in blocks of NF_RB (`R` is a literal at every call site, NF_RB or 1, so loops over the
- * block's rows unroll and per-row accumulators stay in registers). Measured on an AVX-512 EPYC:
- *   - float32/float16 forward walks the block's rows one after another: one sequential stream
- *     per pass, which is what a memory-bound kernel wants (interleaving the rows' stores was up to
- *     1.4x slower on L3/DRAM-sized tensors);
- *   - the paired bf16 forward (nf_bf16pairs.h) interleaves the rows: in-cache bf16 rows are bound
- *     by the latency of the statistics (dependent adds, horizontal sum, square root), which four
- *     independent rows hide (-15% at 512x768);
- *   - backward reads each row sequentially for its dot product, then interleaves the rows in the
- *     gradient pass so one load/store of weight, dweight and dbias serves NF_RB rows (-20 to -30%
- *     at widths >= 768 in cache and at width 4096).
+ * block's rows unroll and per-row values stay in registers). Measured on an AVX-512 EPYC (Zen 5),
+ * one thread, CPU time, interleaved A/B runs:
+ *   - every pass reads a row as one sequential stream (interleaving the rows of a block was 10-40%
+ *     slower on tensors streamed from L3 or memory, and no faster in cache);
+ *   - forward: blocks help only where a row's statistics latency (dependent adds, horizontal sum,
+ *     square root) shows, i.e. half-precision rows (conversion work per element) whose block
+ *     still fits in L1: NF_FWD_BLOCK per dtype and fwd_block_rows() (-15% at bf16 512x768 and
+ *     4096x768; float32 ran 10-15% faster one row at a time);
+ *   - backward: after each row's dot product, the gradient pass walks the block's rows together
+ *     so one load/store of weight, dweight and dbias serves NF_RB rows (-20 to -30% at width 768
+ *     in cache and at width 4096).
  */
 #define NF_CAT2(a, b) a##_##b
 #define NF_CAT(a, b) NF_CAT2(a, b)
@@ -26,8 +27,8 @@
 #define ST NF_CAT(st, NF_S)
 #define STN NF_CAT(stn, NF_S)
 #define RT NF_CAT(rt, NF_S)
-#if NF_USE_PAIRS
-#define NF_BLK_STATS nf_pairs_stats
+#if NF_USE_BF16DOT
+#define NF_BLK_STATS nf_bf16dot_stats
 #else
 #define NF_BLK_STATS NF_FN(blk_stats)
 #endif
@@ -58,27 +59,31 @@ static NF_INLINE void NF_FN(blk_stats)(const NF_T *x, int64_t xs, int R, int64_t
  * rounded s, so the fused op equals the unfused `norm(x + r)` exactly. */
 static NF_INLINE void NF_FN(blk_add_stats)(const NF_T *x, int64_t xs, const NF_T *r, int64_t rst, NF_T *s, int R,
                                            int64_t n, int with_sum, float *sq, float *sm) {
-    vf a0[NF_RB], s0[NF_RB];
-    for (int i = 0; i < R; i++) a0[i] = s0[i] = vf_zero();
-    for (int64_t j = 0; j < n; j += NF_VW) {
-        const int64_t k = n - j < NF_VW ? n - j : NF_VW;
-        for (int i = 0; i < R; i++) {
-            vf v;
-            if (k == NF_VW) {
-                v = vf_add(LD(x + i * xs + j), LD(r + i * rst + j));
-                ST(s + i * n + j, v);
-            } else {
-                v = vf_add(LDN(x + i * xs + j, k), LDN(r + i * rst + j, k));
-                STN(s + i * n + j, v, k);
-            }
-            v = RT(v);
-            a0[i] = vf_fma(v, v, a0[i]);
-            if (with_sum) s0[i] = vf_add(s0[i], v);
-        }
-    }
     for (int i = 0; i < R; i++) {
-        sq[i] = vf_sum(a0[i]);
-        sm[i] = with_sum ? vf_sum(s0[i]) : 0.f;
+        const NF_T *xr = x + i * xs, *rr = r + i * rst;
+        NF_T *sr = s + i * n;
+        vf a0 = vf_zero(), a1 = vf_zero(), s0 = vf_zero();
+        int64_t j = 0;
+        for (; j + 2 * NF_VW <= n; j += 2 * NF_VW) {
+            vf v0 = vf_add(LD(xr + j), LD(rr + j)), v1 = vf_add(LD(xr + j + NF_VW), LD(rr + j + NF_VW));
+            ST(sr + j, v0);
+            ST(sr + j + NF_VW, v1);
+            v0 = RT(v0);
+            v1 = RT(v1);
+            a0 = vf_fma(v0, v0, a0);
+            a1 = vf_fma(v1, v1, a1);
+            if (with_sum) s0 = vf_add(s0, vf_add(v0, v1));
+        }
+        for (; j < n; j += NF_VW) {
+            const int64_t k = n - j < NF_VW ? n - j : NF_VW;
+            vf v = vf_add(LDN(xr + j, k), LDN(rr + j, k));
+            STN(sr + j, v, k);
+            v = RT(v);
+            a0 = vf_fma(v, v, a0);
+            if (with_sum) s0 = vf_add(s0, v);
+        }
+        sq[i] = vf_sum(vf_add(a0, a1));
+        sm[i] = with_sum ? vf_sum(s0) : 0.f;
     }
 }
 
@@ -110,7 +115,7 @@ static NF_INLINE void NF_FN(blk_apply)(const NF_T *x, int64_t xs, NF_T *y, int R
 
 /* One block of R rows starting at row r0 (see forward). */
 static NF_INLINE void NF_FN(fwd_block)(const NF_T *x, int64_t xs, const NF_T *res, int64_t rst, const float *w,
-                                       const float *b, const float *wp, const float *bp, NF_T *y, NF_T *s,
+                                       const float *b, NF_T *y, NF_T *s,
                                        float *rstd, int64_t r0, int R, int64_t n, float eps, float inv_d,
                                        int compressed) {
     float sq[NF_RB], sm[NF_RB], rs[NF_RB];
@@ -132,36 +137,27 @@ static NF_INLINE void NF_FN(fwd_block)(const NF_T *x, int64_t xs, const NF_T *re
         if (rstd) rstd[r0 + i] = rs[i];
     }
     NF_T *yr = y + r0 * n;
-    (void)wp;
-    (void)bp;
-#if NF_USE_PAIRS
-    if (w && b) nf_pairs_apply(src, ss, yr, R, n, rs, w, b, wp, bp, 1, 1);
-    else if (w) nf_pairs_apply(src, ss, yr, R, n, rs, w, b, wp, bp, 1, 0);
-    else if (b) nf_pairs_apply(src, ss, yr, R, n, rs, w, b, wp, bp, 0, 1);
-    else nf_pairs_apply(src, ss, yr, R, n, rs, w, b, wp, bp, 0, 0);
-#else
     if (w && b) NF_FN(blk_apply)(src, ss, yr, R, n, rs, w, b, 1, 1);
     else if (w) NF_FN(blk_apply)(src, ss, yr, R, n, rs, w, b, 1, 0);
     else if (b) NF_FN(blk_apply)(src, ss, yr, R, n, rs, w, b, 0, 1);
     else NF_FN(blk_apply)(src, ss, yr, R, n, rs, w, b, 0, 0);
-#endif
 }
 
-/* y = norm(x), or s = x + res and y = norm(s). wp / bp: weight / bias in the (even, odd) split of
- * nf_bf16pairs.h (bf16 with NF_USE_PAIRS only). */
+/* y = norm(x), or s = x + res and y = norm(s). */
 static void NF_FN(forward)(const NF_T *x, int64_t xs, const NF_T *res, int64_t rst, const float *w, const float *b,
-                           const float *wp, const float *bp, NF_T *y, NF_T *s, float *rstd, int64_t rows, int64_t n,
+                           NF_T *y, NF_T *s, float *rstd, int64_t rows, int64_t n,
                            float eps, int compressed, int nth) {
     const float inv_d = 1.0f / (float)(compressed ? n + 1 : n);
-    const int64_t blocks = (rows + NF_RB - 1) / NF_RB;
+    const int rb = NF_FWD_BLOCK && (int64_t)sizeof(NF_T) * n * NF_RB <= NF_L1_BLOCK ? NF_RB : 1;
+    const int64_t blocks = (rows + rb - 1) / rb;
 #pragma omp parallel for schedule(static) num_threads(nth) if (nth > 1)
     for (int64_t blk = 0; blk < blocks; blk++) {
-        const int64_t r0 = blk * NF_RB;
-        if (r0 + NF_RB <= rows) {
-            NF_FN(fwd_block)(x, xs, res, rst, w, b, wp, bp, y, s, rstd, r0, NF_RB, n, eps, inv_d, compressed);
+        const int64_t r0 = blk * rb;
+        if (rb == NF_RB && r0 + NF_RB <= rows) {
+            NF_FN(fwd_block)(x, xs, res, rst, w, b, y, s, rstd, r0, NF_RB, n, eps, inv_d, compressed);
         } else {
-            for (int64_t r = r0; r < rows; r++)
-                NF_FN(fwd_block)(x, xs, res, rst, w, b, wp, bp, y, s, rstd, r, 1, n, eps, inv_d, compressed);
+            for (int64_t r = r0; r < rows && r < r0 + rb; r++)
+                NF_FN(fwd_block)(x, xs, res, rst, w, b, y, s, rstd, r, 1, n, eps, inv_d, compressed);
         }
     }
 }

@@ -35,8 +35,10 @@ static inline int nf_num_threads(void) { return 1; }
 #ifndef NF_RB
 #define NF_RB 4
 #endif
+/* Forward blocks only while NF_RB rows fit in this many bytes of L1 (see nf_kernels.h). */
+#define NF_L1_BLOCK 16384
 
-#include "nf_bf16pairs.h"
+#include "nf_bf16dot.h"
 
 enum { NF_F32 = 0, NF_BF16 = 1, NF_F16 = 2 };
 
@@ -47,29 +49,38 @@ static void nf_reduce_rows(float *rows, int k, int64_t n) {
         for (int64_t j = 0; j < n; j++) rows[j] += rows[(int64_t)t * n + j];
 }
 
-#define NF_USE_PAIRS 0
+/* One instantiation per dtype: NF_FWD_BLOCK says whether forward blocks pay off (half types), and
+ * NF_USE_BF16DOT takes bf16 statistics from nf_bf16dot.h. */
 #define NF_T float
 #define NF_S f32
+#define NF_FWD_BLOCK 0
+#define NF_USE_BF16DOT 0
 #include "nf_kernels.h"
 #undef NF_T
 #undef NF_S
+#undef NF_FWD_BLOCK
+#undef NF_USE_BF16DOT
 
-#undef NF_USE_PAIRS
-#define NF_USE_PAIRS NF_PAIRS
 #define NF_T uint16_t
 #define NF_S bf16
+#define NF_FWD_BLOCK 1
+#define NF_USE_BF16DOT NF_BF16DOT
 #include "nf_kernels.h"
 #undef NF_T
 #undef NF_S
-#undef NF_USE_PAIRS
-#define NF_USE_PAIRS 0
+#undef NF_FWD_BLOCK
+#undef NF_USE_BF16DOT
 
 #if NF_HAVE_F16
 #define NF_T nf_f16
 #define NF_S f16
+#define NF_FWD_BLOCK 1
+#define NF_USE_BF16DOT 0
 #include "nf_kernels.h"
 #undef NF_T
 #undef NF_S
+#undef NF_FWD_BLOCK
+#undef NF_USE_BF16DOT
 #endif
 
 /* A weight or bias as float32: itself when it already is, else a converted copy (caller frees). */
@@ -114,28 +125,17 @@ int nf_forward(int dtype, const void *x, int64_t xs, const void *res, int64_t rs
     if (!nf_supports_dtype(dtype)) return -1;
     float *wo, *bo;
     const float *wf = nf_param_f32(w, wdt, n, &wo), *bf = nf_param_f32(b, bdt, n, &bo);
-    float *split = 0; /* weight and bias in the (even, odd) order of the paired bf16 kernels */
     if ((w && !wf) || (b && !bf)) { free(wo); free(bo); return -2; }
-#if NF_PAIRS
-    if (dtype == NF_BF16 && (w || b)) {
-        split = (float *)malloc((size_t)2 * (size_t)n * sizeof(float));
-        if (!split) { free(wo); free(bo); return -2; }
-        if (wf) nf_split_pairs(wf, split, n);
-        if (bf) nf_split_pairs(bf, split + n, n);
-    }
-#endif
-    const float *wp = split, *bp = split ? split + n : 0;
     const int nth = nf_threads_for(nthreads, rows, n);
     switch (dtype) {
-    case NF_F32: forward_f32(x, xs, res, rst, wf, bf, 0, 0, y, s, rstd, rows, n, eps, compressed, nth); break;
-    case NF_BF16: forward_bf16(x, xs, res, rst, wf, bf, wp, bp, y, s, rstd, rows, n, eps, compressed, nth); break;
+    case NF_F32: forward_f32(x, xs, res, rst, wf, bf, y, s, rstd, rows, n, eps, compressed, nth); break;
+    case NF_BF16: forward_bf16(x, xs, res, rst, wf, bf, y, s, rstd, rows, n, eps, compressed, nth); break;
 #if NF_HAVE_F16
-    case NF_F16: forward_f16(x, xs, res, rst, wf, bf, 0, 0, y, s, rstd, rows, n, eps, compressed, nth); break;
+    case NF_F16: forward_f16(x, xs, res, rst, wf, bf, y, s, rstd, rows, n, eps, compressed, nth); break;
 #endif
     }
     free(wo);
     free(bo);
-    free(split);
     return 0;
 }
 
