@@ -42,6 +42,13 @@ def test_parallel_rows_and_weight_gradient_reduction(threads, dtype):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tensors_larger_than_cache(dtype):
+    # Past ~20 MiB of dy + x + dx the backward streams one row at a time instead of in blocks.
+    check_forward(False, dtype, (1800, 2200), "weight")
+    check_backward(False, dtype, (1800, 2200), "both")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_non_contiguous_inputs(dtype):
     base = torch.randn(6, 5, 40).to(dtype)

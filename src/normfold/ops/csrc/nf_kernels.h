@@ -16,8 +16,9 @@
  *     still fits in L1: NF_FWD_BLOCK per dtype and fwd_block_rows() (-15% at bf16 512x768 and
  *     4096x768; float32 ran 10-15% faster one row at a time);
  *   - backward: after each row's dot product, the gradient pass walks the block's rows together
- *     so one load/store of weight, dweight and dbias serves NF_RB rows (-20 to -30% at width 768
- *     in cache and at width 4096).
+ *     so one load/store of weight, dweight and dbias serves NF_RB rows: -20 to -30% when the
+ *     tensors come from cache or rows are wide (4096), but its NF_RB interleaved output streams
+ *     cost 10-20% when dy, x and dx stream from memory; nf_backward_block_rows() decides.
  */
 #define NF_CAT2(a, b) a##_##b
 #define NF_CAT(a, b) NF_CAT2(a, b)
@@ -234,11 +235,12 @@ static NF_INLINE void NF_FN(bwd_block)(const NF_T *dy, const NF_T *ds, const NF_
     else NF_FN(blk_backward)(dy + r0 * n, dsr, x + r0 * xs, xs, w, rstd + r0, inv_d, compressed, dx + r0 * n, dwt, dbt, R, n, 0);
 }
 
+/* rb: rows per block, NF_RB or 1 (chosen by nf_backward_block_rows). */
 static void NF_FN(backward)(const NF_T *dy, const NF_T *ds, const NF_T *x, int64_t xs, const float *w,
                             const float *rstd, NF_T *dx, float *dw_part, float *db_part, int64_t rows, int64_t n,
-                            int compressed, int nth) {
+                            int compressed, int nth, int rb) {
     const float inv_d = 1.0f / (float)(compressed ? n + 1 : n);
-    const int64_t blocks = (rows + NF_RB - 1) / NF_RB;
+    const int64_t blocks = (rows + rb - 1) / rb;
     int team = 1; /* the team OpenMP really gave us (may be smaller than nth) */
 #pragma omp parallel num_threads(nth) if (nth > 1)
     {
@@ -250,11 +252,11 @@ static void NF_FN(backward)(const NF_T *dy, const NF_T *ds, const NF_T *x, int64
         if (dbt) memset(dbt, 0, (size_t)n * sizeof(float));
 #pragma omp for schedule(static)
         for (int64_t blk = 0; blk < blocks; blk++) {
-            const int64_t r0 = blk * NF_RB;
-            if (r0 + NF_RB <= rows) {
+            const int64_t r0 = blk * rb;
+            if (rb == NF_RB && r0 + NF_RB <= rows) {
                 NF_FN(bwd_block)(dy, ds, x, xs, w, rstd, inv_d, compressed, dx, dwt, dbt, r0, NF_RB, n);
             } else {
-                for (int64_t r = r0; r < rows; r++)
+                for (int64_t r = r0; r < rows && r < r0 + rb; r++)
                     NF_FN(bwd_block)(dy, ds, x, xs, w, rstd, inv_d, compressed, dx, dwt, dbt, r, 1, n);
             }
         }
