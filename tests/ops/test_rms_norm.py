@@ -45,8 +45,8 @@ def test_parallel_rows_and_weight_gradient_reduction(threads, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tensors_larger_than_cache(dtype):
     # Past ~20 MiB of dy + x + dx the backward streams one row at a time instead of in blocks.
-    check_forward(False, dtype, (1800, 2200), "weight")
-    check_backward(False, dtype, (1800, 2200), "both")
+    check_forward(False, dtype, (3600, 1100), "weight")
+    check_backward(False, dtype, (3600, 1100), "both")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
