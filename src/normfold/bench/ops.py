@@ -11,9 +11,20 @@ Three passes, each a section of the table (ratios < 1 mean normfold is faster):
 
 Targets (issue 5): forward ≤ 0.6 × LayerNorm and ≤ 1.5 × copy; backward ≤ LayerNorm's backward.
 The `target` column says which are met; docs/kernels-cpu.md explains the misses.
+
+Allocator: every candidate allocates its outputs. With glibc's default (dynamic mmap threshold,
+heap trimming) some calls get freshly mapped pages and pay a page fault per 4 KiB (≈2 µs each in
+the VM this was developed on, i.e. more than the kernel for MiB-sized outputs), and which candidate
+pays depends on allocation order, not on its code. The suite therefore keeps freed memory mapped
+(mallopt: no trimming, no mmap), the steady state of a long-running process, and records it in
+the machine info; NORMFOLD_BENCH_ALLOCATOR=default leaves glibc as it is.
 """
 
 from __future__ import annotations
+
+import ctypes
+import os
+import platform
 
 import torch
 import torch.nn.functional as F
@@ -145,12 +156,27 @@ def _target(pas: str, row: dict) -> str:
     return "miss: " + ", ".join(misses) if misses else ("met" if pas != "add" else "")
 
 
+def steady_allocator() -> str:
+    """Keep freed memory mapped so timings do not include page faults (see the module docstring)."""
+    if os.environ.get("NORMFOLD_BENCH_ALLOCATOR", "").lower() == "default" or platform.libc_ver()[0] != "glibc":
+        return "default"
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return "default"
+    m_trim_threshold, m_mmap_max = -1, -4
+    if mallopt(m_trim_threshold, 1 << 30) and mallopt(m_mmap_max, 0):
+        return "glibc: no trim, no mmap"
+    return "default"
+
+
 def run(out_dir="benchmarks", quick: bool = False, rounds: int = 30, progress: bool = True,
         dtypes=None, shapes=None, passes=PASSES) -> tuple[list[dict], dict]:
     shapes = shapes or (QUICK_SHAPES if quick else SHAPES)
     dtypes = dtypes or (QUICK_DTYPES if quick else tuple(DTYPES))
     machine = machine_info()
     machine["normfold_cpu_isa"] = cpu.status()["isa"]
+    machine["allocator"] = steady_allocator()
     rows = []
     bar = Bar(len(passes) * len(shapes) * len(dtypes) * rounds, "bench ops", enabled=progress)
     for pas in passes:
