@@ -23,7 +23,12 @@ static inline __attribute__((always_inline)) void nf_bf16dot_stats(const uint16_
     for (int i = 0; i < R; i++) {
         const uint16_t *xr = x + i * xs;
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, s0 = a0, s1 = a0;
-        int64_t j = 0;
+        int64_t j = nf_head(xr, 2, 64, n);
+        if (j) {
+            __m512bh v = (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1ull << j) - 1), xr);
+            a1 = _mm512_dpbf16_ps(a1, v, v);
+            if (with_sum) s1 = _mm512_dpbf16_ps(s1, v, one);
+        }
         for (; j + 4 * NF_PAIR <= n; j += 4 * NF_PAIR) {
             __m512bh v0 = (__m512bh)_mm512_loadu_si512(xr + j), v1 = (__m512bh)_mm512_loadu_si512(xr + j + NF_PAIR);
             __m512bh v2 = (__m512bh)_mm512_loadu_si512(xr + j + 2 * NF_PAIR), v3 = (__m512bh)_mm512_loadu_si512(xr + j + 3 * NF_PAIR);

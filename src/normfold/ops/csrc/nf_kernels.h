@@ -28,6 +28,8 @@
 #define ST NF_CAT(st, NF_S)
 #define STN NF_CAT(stn, NF_S)
 #define RT NF_CAT(rt, NF_S)
+#define NF_VB ((int64_t)(NF_VW * sizeof(NF_T))) /* bytes of one vector of this dtype */
+#define HEAD(p, n) nf_head((p), (int64_t)sizeof(NF_T), NF_VB, (n))
 #if NF_USE_BF16DOT
 #define NF_BLK_STATS nf_bf16dot_stats
 #else
@@ -40,7 +42,12 @@ static NF_INLINE void NF_FN(blk_stats)(const NF_T *x, int64_t xs, int R, int64_t
     for (int i = 0; i < R; i++) {
         const NF_T *xr = x + i * xs;
         vf a0 = vf_zero(), a1 = vf_zero(), a2 = vf_zero(), a3 = vf_zero(), s0 = vf_zero(), s1 = vf_zero();
-        int64_t j = 0;
+        int64_t j = HEAD(xr, n);
+        if (j) {
+            vf v = LDN(xr, j);
+            a1 = vf_fma(v, v, a1);
+            if (with_sum) s1 = v;
+        }
         for (; j + 4 * NF_VW <= n; j += 4 * NF_VW) {
             vf v0 = LD(xr + j), v1 = LD(xr + j + NF_VW), v2 = LD(xr + j + 2 * NF_VW), v3 = LD(xr + j + 3 * NF_VW);
             a0 = vf_fma(v0, v0, a0); a1 = vf_fma(v1, v1, a1); a2 = vf_fma(v2, v2, a2); a3 = vf_fma(v3, v3, a3);
@@ -64,7 +71,14 @@ static NF_INLINE void NF_FN(blk_add_stats)(const NF_T *x, int64_t xs, const NF_T
         const NF_T *xr = x + i * xs, *rr = r + i * rst;
         NF_T *sr = s + i * n;
         vf a0 = vf_zero(), a1 = vf_zero(), s0 = vf_zero();
-        int64_t j = 0;
+        int64_t j = HEAD(sr, n);
+        if (j) {
+            vf v = vf_add(LDN(xr, j), LDN(rr, j));
+            STN(sr, v, j);
+            v = RT(v);
+            a1 = vf_fma(v, v, a1);
+            if (with_sum) s0 = v;
+        }
         for (; j + 2 * NF_VW <= n; j += 2 * NF_VW) {
             vf v0 = vf_add(LD(xr + j), LD(rr + j)), v1 = vf_add(LD(xr + j + NF_VW), LD(rr + j + NF_VW));
             ST(sr + j, v0);
@@ -95,7 +109,14 @@ static NF_INLINE void NF_FN(blk_apply)(const NF_T *x, int64_t xs, NF_T *y, int R
         const NF_T *xr = x + i * xs;
         NF_T *yr = y + i * n;
         const vf vr = vf_set1(rs[i]);
-        int64_t j = 0;
+        int64_t j = HEAD(yr, n);
+        if (j) {
+            vf v = vf_mul(LDN(xr, j), vr);
+            if (hw && hb) v = vf_fma(v, ldn_f32(w, j), ldn_f32(b, j));
+            else if (hw) v = vf_mul(v, ldn_f32(w, j));
+            else if (hb) v = vf_add(v, ldn_f32(b, j));
+            STN(yr, v, j);
+        }
         for (; j + NF_VW <= n; j += NF_VW) {
             vf v = vf_mul(LD(xr + j), vr);
             if (hw && hb) v = vf_fma(v, ld_f32(w + j), ld_f32(b + j));
@@ -163,6 +184,34 @@ static void NF_FN(forward)(const NF_T *x, int64_t xs, const NF_T *res, int64_t r
     }
 }
 
+/* Columns [j, j + k) of the gradient pass for R rows; `full` (k == NF_VW) is a literal at each
+ * call site so the main loop has no tail logic. */
+static NF_INLINE void NF_FN(bwd_cols)(const NF_T *dy, const NF_T *ds, const NF_T *x, int64_t xs, const float *w,
+                                      const vf *vr, const vf *vk, const vf *vsh, int compressed, NF_T *dx,
+                                      float *dwt, float *dbt, int R, int64_t n, int hw, int64_t j, int64_t k,
+                                      int full) {
+    vf wv = hw ? (full ? ld_f32(w + j) : ldn_f32(w + j, k)) : vf_zero();
+    vf dwa = vf_zero(), dba = vf_zero();
+    for (int i = 0; i < R; i++) {
+        vf d = full ? LD(dy + i * n + j) : LDN(dy + i * n + j, k);
+        vf xv = full ? LD(x + i * xs + j) : LDN(x + i * xs + j, k);
+        vf g = hw ? vf_mul(d, wv) : d;
+        vf o = vf_fnma(vk[i], compressed ? vf_add(xv, vsh[i]) : xv, vf_mul(vr[i], g));
+        if (ds) o = vf_add(o, full ? LD(ds + i * n + j) : LDN(ds + i * n + j, k));
+        if (full) ST(dx + i * n + j, o); else STN(dx + i * n + j, o, k);
+        if (dwt) dwa = vf_fma(vf_mul(d, xv), vr[i], dwa);
+        if (dbt) dba = vf_add(dba, d);
+    }
+    if (dwt) {
+        vf acc = vf_add(dwa, full ? ld_f32(dwt + j) : ldn_f32(dwt + j, k));
+        if (full) st_f32(dwt + j, acc); else stn_f32(dwt + j, acc, k);
+    }
+    if (dbt) {
+        vf acc = vf_add(dba, full ? ld_f32(dbt + j) : ldn_f32(dbt + j, k));
+        if (full) st_f32(dbt + j, acc); else stn_f32(dbt + j, acc, k);
+    }
+}
+
 /* Gradient of R rows. With g = dy·w, r = rstd, c = Σ g·x:
  *   RMSNorm:  dx = r·g − r³·c/d · x
  *   CRMSNorm: dx = r·g − r³·c/d · (x + Σx)        (paper 001 eq. 5, d = n + 1)
@@ -175,7 +224,13 @@ static NF_INLINE void NF_FN(blk_backward)(const NF_T *dy, const NF_T *ds, const 
     for (int i = 0; i < R; i++) { /* row by row: c = Σ g·x (and Σx for CRMSNorm) */
         vf c1 = vf_zero(), m1 = vf_zero();
         c0[i] = m0[i] = vf_zero();
-        int64_t j = 0;
+        int64_t j = HEAD(x + i * xs, n);
+        if (j) {
+            vf g = LDN(dy + i * n, j), xv = LDN(x + i * xs, j);
+            if (hw) g = vf_mul(g, ldn_f32(w, j));
+            c1 = vf_fma(g, xv, c1);
+            if (compressed) m1 = xv;
+        }
         for (; j + 2 * NF_VW <= n; j += 2 * NF_VW) {
             vf g0 = LD(dy + i * n + j), g1 = LD(dy + i * n + j + NF_VW);
             vf x0 = LD(x + i * xs + j), x1 = LD(x + i * xs + j + NF_VW);
@@ -201,30 +256,12 @@ static NF_INLINE void NF_FN(blk_backward)(const NF_T *dy, const NF_T *ds, const 
         vk[i] = vf_set1(rs * rs * rs * c * inv_d);
         vsh[i] = vf_set1(compressed ? vf_sum(m0[i]) : 0.f);
     }
-    for (int64_t j = 0; j < n; j += NF_VW) {
-        const int64_t k = n - j < NF_VW ? n - j : NF_VW;
-        const int full = k == NF_VW;
-        vf wv = hw ? (full ? ld_f32(w + j) : ldn_f32(w + j, k)) : vf_zero();
-        vf dwa = vf_zero(), dba = vf_zero();
-        for (int i = 0; i < R; i++) {
-            vf d = full ? LD(dy + i * n + j) : LDN(dy + i * n + j, k);
-            vf xv = full ? LD(x + i * xs + j) : LDN(x + i * xs + j, k);
-            vf g = hw ? vf_mul(d, wv) : d;
-            vf o = vf_fnma(vk[i], compressed ? vf_add(xv, vsh[i]) : xv, vf_mul(vr[i], g));
-            if (ds) o = vf_add(o, full ? LD(ds + i * n + j) : LDN(ds + i * n + j, k));
-            if (full) ST(dx + i * n + j, o); else STN(dx + i * n + j, o, k);
-            if (dwt) dwa = vf_fma(vf_mul(d, xv), vr[i], dwa);
-            if (dbt) dba = vf_add(dba, d);
-        }
-        if (dwt) {
-            vf acc = vf_add(dwa, full ? ld_f32(dwt + j) : ldn_f32(dwt + j, k));
-            if (full) st_f32(dwt + j, acc); else stn_f32(dwt + j, acc, k);
-        }
-        if (dbt) {
-            vf acc = vf_add(dba, full ? ld_f32(dbt + j) : ldn_f32(dbt + j, k));
-            if (full) st_f32(dbt + j, acc); else stn_f32(dbt + j, acc, k);
-        }
-    }
+    const int64_t head = HEAD(dx, n); /* aligns the stores of the block's first row */
+    int64_t j = 0;
+    if (head) NF_FN(bwd_cols)(dy, ds, x, xs, w, vr, vk, vsh, compressed, dx, dwt, dbt, R, n, hw, 0, head, 0);
+    for (j = head; j + NF_VW <= n; j += NF_VW)
+        NF_FN(bwd_cols)(dy, ds, x, xs, w, vr, vk, vsh, compressed, dx, dwt, dbt, R, n, hw, j, NF_VW, 1);
+    if (j < n) NF_FN(bwd_cols)(dy, ds, x, xs, w, vr, vk, vsh, compressed, dx, dwt, dbt, R, n, hw, j, n - j, 0);
 }
 
 static NF_INLINE void NF_FN(bwd_block)(const NF_T *dy, const NF_T *ds, const NF_T *x, int64_t xs, const float *w,
@@ -273,4 +310,6 @@ static void NF_FN(backward)(const NF_T *dy, const NF_T *ds, const NF_T *x, int64
 #undef ST
 #undef STN
 #undef RT
+#undef NF_VB
+#undef HEAD
 #undef NF_BLK_STATS

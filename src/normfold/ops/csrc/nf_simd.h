@@ -49,6 +49,14 @@ static inline uint16_t nf_f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* Elements before p reaches a multiple of `align` bytes (at most n). Rows of an odd width start at
+ * every possible offset; a masked head lets the rest of the row use loads and stores that never
+ * split a cache line (that split cost 30-40% on float32 rows of width 1023 from L3). */
+static inline int64_t nf_head(const void *p, int64_t elem, int64_t align, int64_t n) {
+    int64_t h = (int64_t)(((uintptr_t)0 - (uintptr_t)p) & (uintptr_t)(align - 1)) / elem;
+    return h < n ? h : n;
+}
+
 #if NF_AVX512
 /* ================================ AVX-512 ================================ */
 #define NF_VW 16
