@@ -35,7 +35,6 @@ from torch import Tensor
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCE = _CSRC / "rmsnorm_cpu.c"
-_HEADERS = ("nf_simd.h", "nf_kernels.h")
 _ABI_VERSION = 2
 _COMMON = ["-O3", "-shared", "-fPIC"]
 # Tried in order: the machine's own ISA, then a generic build, then one without OpenMP (e.g. clang
@@ -102,7 +101,8 @@ def _cpu_signature() -> str:
 
 
 def _sources() -> bytes:
-    return _SOURCE.read_bytes() + b"".join((_CSRC / h).read_bytes() for h in _HEADERS)
+    """Every file the build reads (the .c and its headers), for the cache key."""
+    return _SOURCE.read_bytes() + b"".join(h.read_bytes() for h in sorted(_CSRC.glob("*.h")))
 
 
 def _build(cc: str, flags: list[str], target: Path) -> None:

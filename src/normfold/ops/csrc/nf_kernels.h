@@ -13,12 +13,14 @@
  *     slower on tensors streamed from L3 or memory, and no faster in cache);
  *   - forward: blocks help only where a row's statistics latency (dependent adds, horizontal sum,
  *     square root) shows, i.e. half-precision rows (conversion work per element) whose block
- *     still fits in L1: NF_FWD_BLOCK per dtype and fwd_block_rows() (-15% at bf16 512x768 and
+ *     still fits in L1: NF_FWD_BLOCK per dtype and NF_L1_BLOCK (-15% at bf16 512x768 and
  *     4096x768; float32 ran 10-15% faster one row at a time);
  *   - backward: after each row's dot product, the gradient pass walks the block's rows together
  *     so one load/store of weight, dweight and dbias serves NF_RB rows: -20 to -30% when the
  *     tensors come from cache or rows are wide (4096), but its NF_RB interleaved output streams
- *     cost 10-20% when dy, x and dx stream from memory; nf_backward_block_rows() decides.
+ *     cost 10-20% when dy, x and dx stream from memory; nf_backward_block_rows() decides;
+ *   - each row starts with a masked head up to a vector-aligned address (nf_head): rows of an
+ *     odd width otherwise split a cache line on almost every load and store.
  */
 #define NF_CAT2(a, b) a##_##b
 #define NF_CAT(a, b) NF_CAT2(a, b)

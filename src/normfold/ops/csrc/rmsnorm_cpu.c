@@ -31,7 +31,7 @@ static inline int nf_num_threads(void) { return 1; }
 #define NF_ABI_VERSION 2
 /* Below this many elements per thread a parallel region costs more than it saves (ATen's grain). */
 #define NF_GRAIN 32768
-/* Rows interleaved per block (see nf_kernels.h). */
+/* Rows per block (see nf_kernels.h). */
 #ifndef NF_RB
 #define NF_RB 4
 #endif
