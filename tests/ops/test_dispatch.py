@@ -177,8 +177,20 @@ def test_incomplete_backend_is_rejected():
         ops.register_backend("reference", _Recorder())
 
 
+def _graph_targets(fn, *args):
+    """Call torch.compile(fn) on args with a backend that records the traced graph's ops."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(node.target) for node in gm.graph.nodes)
+        return gm.forward
+
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return out, seen
+
+
 def test_torch_compile_sees_no_graph_break():
-    # Under torch.compile the ops trace to the reference formula, which the compiler can fuse.
+    # fullgraph=True: the ops trace without a break, whichever path they take.
     from normfold.nn import AddRMSNorm, CRMSNorm, RMSNorm
 
     norm, cnorm, add = RMSNorm(16, bias=True), CRMSNorm(15), AddRMSNorm(16)
@@ -188,6 +200,37 @@ def test_torch_compile_sees_no_graph_break():
         return norm(y) + s, cnorm(x[..., :15])
 
     x, r = torch.randn(4, 16), torch.randn(4, 16)
-    compiled = torch.compile(f, backend="eager", fullgraph=True)
-    for got, want in zip(compiled(x, r), f(x, r)):
+    out, seen = _graph_targets(f, x, r)
+    for got, want in zip(out, f(x, r)):
         assert rel(got, want) < 1e-6
+    if cpu.library() is not None:  # compiled code calls the kernels as opaque custom ops
+        assert any("normfold.rms_norm_cpu" in t for t in seen) and any("normfold.add_rms_norm_cpu" in t for t in seen)
+    x64 = x.double()
+    _, seen64 = _graph_targets(lambda t: ops.rms_norm(t), x64)
+    assert not any("normfold" in t for t in seen64)  # float64: the reference formula is traced
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_training_uses_kernel_gradients(dtype):
+    from normfold.nn import AddCRMSNorm, RMSNorm
+
+    torch.manual_seed(0)
+    norm, add = RMSNorm(24, bias=True).to(dtype), AddCRMSNorm(23).to(dtype)
+    with torch.no_grad():
+        for p in (*norm.parameters(), *add.parameters()):
+            p.normal_()
+
+    def f(x, r, xc, rc):
+        s, y = add(xc, rc)
+        return (norm(x + r) * 1.5).sum() + (y * s).sum()
+
+    inputs = [torch.randn(5, 24 - i // 2, dtype=dtype, requires_grad=True) for i in range(4)]
+    params = [*norm.parameters(), *add.parameters()]
+    f(*inputs).backward()
+    want = [t.grad.clone() for t in (*inputs, *params)]
+    for t in (*inputs, *params):
+        t.grad = None
+    torch.compile(f, backend="aot_eager", fullgraph=True)(*inputs).backward()
+    for t, w in zip((*inputs, *params), want):
+        assert t.grad.dtype == t.dtype and rel(t.grad, w) <= 4 * TOL[dtype]

@@ -31,6 +31,7 @@ class _AffineNorm(nn.Module):
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.ones(self.normalized_shape, **factory)) if weight else None
         self.bias = nn.Parameter(torch.zeros(self.normalized_shape, **factory)) if bias else None
+        ops.prepare()  # load the fast kernels now: torch.compile cannot load them while tracing
 
     def extra_repr(self) -> str:
         return (f"{self.normalized_shape[0]}, eps={self.eps}, weight={self.weight is not None}, "

@@ -4,9 +4,11 @@
 registered backend (see `normfold.ops.registry`) that supports the input:
 
 - CPU tensors in float32 / bfloat16 / float16: the C kernels of `normfold.ops.cpu` (forward and
-  backward), unless NORMFOLD_CPU_KERNEL=0 or they could not be built;
-- inside `torch.compile`: the reference formula, which inductor fuses with its neighbours
-  (docs/kernels-cpu.md has the measurements behind this choice);
+  backward), unless NORMFOLD_CPU_KERNEL=0 or they could not be built; inside `torch.compile` the
+  same kernels as torch.library custom ops (`normfold.ops.cpu_library`), which measured faster
+  than inductor's own code for the norm (docs/kernels-cpu.md);
+- inside `torch.compile`, for a backend without traceable ops: the reference formula, which the
+  compiler fuses itself;
 - anything else (float64, devices without a backend): the reference formula.
 
 NORMFOLD_BACKEND=reference forces the reference path everywhere (for debugging and A/B tests);
@@ -20,16 +22,22 @@ import torch
 from torch import Tensor
 
 from ..errors import NormInputError
-from . import cpu, reference
+from . import cpu, cpu_library, reference
 from .reference import layer_norm
 from . import registry
 from .registry import REFERENCE, Backend, backends, register_backend, select, unregister_backend
 
-__all__ = ["layer_norm", "rms_norm", "crms_norm", "add_rms_norm", "add_crms_norm", "backend_for",
+__all__ = ["layer_norm", "rms_norm", "crms_norm", "add_rms_norm", "add_crms_norm", "backend_for", "prepare",
            "register_backend", "unregister_backend", "backends", "Backend", "reload_environment", "reference"]
 
 # Backends, highest priority first where devices overlap.
-register_backend("cpu-kernel", cpu, priority=0)
+register_backend("cpu-kernel", cpu, priority=0, compiled=cpu_library)
+
+
+def prepare() -> None:
+    """Load (building if needed) the CPU kernel now rather than on the first call. torch.compile
+    cannot load it while tracing, so normfold's nn modules call this when they are built."""
+    cpu.library()
 
 
 def reload_environment() -> None:
@@ -45,13 +53,9 @@ def _compiling() -> bool:
         return False
 
 
-def _select(x: Tensor) -> Backend | None:
-    return None if _compiling() else select(x)
-
-
 def backend_for(x: Tensor) -> str:
     """Name of the implementation `rms_norm(x, ...)` would use: a backend name or 'reference'."""
-    b = _select(x)
+    b = select(x, _compiling())
     return REFERENCE if b is None else b.name
 
 
@@ -114,9 +118,12 @@ class _AddNormFunction(torch.autograd.Function):
 
 def _norm(x: Tensor, weight, bias, eps: float, compressed: bool) -> Tensor:
     _check_params(x, weight, bias)
-    b = _select(x)
+    compiling = _compiling()
+    b = select(x, compiling)
     if b is None:
         return (reference.crms_norm if compressed else reference.rms_norm)(x, weight, bias, eps)
+    if compiling:
+        return b.compiled.norm(x, weight, bias, eps, compressed)
     if _needs_grad(x, weight, bias):
         return _NormFunction.apply(x, weight, bias, eps, compressed, b.impl)
     return b.impl.forward(x, weight, bias, eps, compressed, want_rstd=False)[0]
@@ -124,12 +131,15 @@ def _norm(x: Tensor, weight, bias, eps: float, compressed: bool) -> Tensor:
 
 def _add_norm(x: Tensor, residual: Tensor, weight, bias, eps: float, compressed: bool) -> tuple[Tensor, Tensor]:
     _check_params(x, weight, bias)
-    b = _select(x)
+    compiling = _compiling()
+    b = select(x, compiling)
     # The fused kernels take equal shapes and dtypes; anything else (broadcasting, promotion) is
     # left to torch's own `+`.
     if b is None or residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
         s = x + residual
         return s, (reference.crms_norm if compressed else reference.rms_norm)(s, weight, bias, eps)
+    if compiling:
+        return b.compiled.add_norm(x, residual, weight, bias, eps, compressed)
     if _needs_grad(x, residual, weight, bias):
         return _AddNormFunction.apply(x, residual, weight, bias, eps, compressed, b.impl)
     s, y, _ = b.impl.add_forward(x, residual, weight, bias, eps, compressed, want_rstd=False)

@@ -182,6 +182,14 @@ def _load() -> None:
                   RuntimeWarning, stacklevel=3)
 
 
+def _require() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"normfold CPU kernel unavailable ({_build_error or 'disabled'}); "
+                           "use normfold.ops, which falls back to the reference ops")
+    return lib
+
+
 def reset() -> None:
     """Forget the loaded library and re-read the environment on next use (tests, switches)."""
     global _lib, _tried, _build_error, _lib_path, _dtypes
@@ -199,8 +207,17 @@ def status() -> dict:
 
 def supports(x: Tensor) -> bool:
     if not _tried:
+        if _tracing():
+            return False  # loading cannot be traced; nn modules load it when they are built
         _load()
     return x.is_cpu and x.dtype in _dtypes and x.dim() >= 1 and x.numel() > 0
+
+
+def _tracing() -> bool:
+    try:
+        return torch.compiler.is_compiling()
+    except AttributeError:  # torch < 2.3
+        return False
 
 
 # ---- raw kernel calls (no autograd) -----------------------------------------------------------------
@@ -239,7 +256,7 @@ def _empty(x: Tensor) -> Tensor:
 
 
 def _launch_fwd(x: Tensor, residual: Tensor | None, weight, bias, eps: float, compressed: bool, want_rstd: bool):
-    lib = _lib
+    lib = _lib or _require()
     n = x.shape[-1]
     x2, xs = _rows(x, n)
     rows = x.numel() // n
@@ -280,7 +297,7 @@ def backward(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, compres
     """Gradients of y = norm(x) given dy; `x` is the normalized input (the sum s for the fused
     variant, whose own gradient `ds` is then added to dx in the same pass). Returns
     (dx, dweight or None, dbias or None); dweight/dbias in float32."""
-    lib = _lib
+    lib = _lib or _require()
     n = x.shape[-1]
     x2, xs = _rows(x, n)
     rows = x.numel() // n

@@ -16,6 +16,13 @@ dimension, take `weight`/`bias` that may be None, and never build an autograd gr
 
 Register with `register_backend("name", impl, priority)`; the dispatcher asks backends in order of
 priority (highest first) and uses the first whose `supports(x)` is true, else the reference ops.
+
+Under torch.compile the dispatcher needs traceable code: pass `compiled=` an object with
+    norm(x, weight, bias, eps, compressed) -> y
+    add_norm(x, residual, weight, bias, eps, compressed) -> (s, y)
+that are differentiable and traceable (torch.library custom ops with fake implementations and
+registered autograd, or plain torch code). A backend without one is skipped while compiling, and
+the reference formula (which the compiler fuses itself) is traced instead.
 NORMFOLD_BACKEND=name restricts the choice to that backend (falling back to the reference when it
 does not support the input); NORMFOLD_BACKEND=reference forces the reference everywhere. It is
 read at import; `reload_environment()` reads it again.
@@ -38,6 +45,7 @@ class Backend:
     name: str
     impl: Any
     priority: int = 0
+    compiled: Any = None  # traceable norm / add_norm for torch.compile, or None
 
 
 _backends: list[Backend] = []
@@ -52,14 +60,17 @@ def reload_environment() -> None:
 reload_environment()
 
 
-def register_backend(name: str, impl: Any, priority: int = 0) -> Backend:
-    """Add (or replace, by name) a backend. `impl` must provide supports/forward/add_forward/backward."""
+def register_backend(name: str, impl: Any, priority: int = 0, compiled: Any = None) -> Backend:
+    """Add (or replace, by name) a backend. `impl` must provide supports/forward/add_forward/backward;
+    `compiled` (optional) norm/add_norm for torch.compile."""
     missing = [a for a in _REQUIRED if not callable(getattr(impl, a, None))]
+    missing += [f"compiled.{a}" for a in ("norm", "add_norm") if compiled is not None
+                and not callable(getattr(compiled, a, None))]
     if missing:
         raise TypeError(f"backend {name!r} lacks {', '.join(missing)}")
     if name == REFERENCE:
         raise ValueError(f"{REFERENCE!r} is the built-in fallback and cannot be registered")
-    entry = Backend(name, impl, priority)
+    entry = Backend(name, impl, priority, compiled)
     _backends[:] = sorted([b for b in _backends if b.name != name] + [entry], key=lambda b: -b.priority)
     return entry
 
@@ -73,10 +84,11 @@ def backends() -> list[Backend]:
     return list(_backends)
 
 
-def select(x: Tensor) -> Backend | None:
-    """The backend that will compute ops on x, or None for the reference ops."""
+def select(x: Tensor, compiling: bool = False) -> Backend | None:
+    """The backend that will compute ops on x, or None for the reference ops. While compiling, only
+    backends with a traceable `compiled` part qualify."""
     forced = _forced
     for b in _backends:
-        if (not forced or forced == b.name) and b.impl.supports(x):
+        if (not forced or forced == b.name) and (not compiling or b.compiled is not None) and b.impl.supports(x):
             return b
     return None
