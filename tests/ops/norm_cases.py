@@ -6,10 +6,16 @@ inputs (rounded to the working dtype first), so the only error measured is the k
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from normfold import ops
-from normfold.ops import reference
+from normfold.ops import cpu, reference
+
+# The kernel tests need the kernel to be built and selected (not forced off by NORMFOLD_CPU_KERNEL=0
+# or NORMFOLD_BACKEND=reference): otherwise they would compare the reference with itself.
+KERNEL_ACTIVE = cpu.library() is not None and ops.backend_for(torch.ones(1, 2)) == "cpu-kernel"
+needs_kernel = pytest.mark.skipif(not KERNEL_ACTIVE, reason="CPU kernel unavailable or not selected")
 
 # Max error relative to the largest reference value. float32: a few ulps of accumulation over
 # ~4k terms; half types: one rounding of the output (2^-8 bf16, 2^-11 fp16) plus slack.
@@ -54,6 +60,7 @@ def ref_fn(compressed):
 
 def check_forward(compressed, dtype, shape, affine, eps=1e-5):
     x, w, b = inputs(shape, dtype, affine)
+    assert ops.backend_for(x) == "cpu-kernel"
     got = fast_fn(compressed)(x, w, b, eps)
     want = ref_fn(compressed)(x.double(), d64(w), d64(b), eps)
     assert got.dtype == dtype and got.shape == x.shape and got.is_contiguous()
@@ -63,6 +70,7 @@ def check_forward(compressed, dtype, shape, affine, eps=1e-5):
 def check_backward(compressed, dtype, shape, affine, eps=1e-5, x=None):
     x0, w, b = inputs(shape, dtype, affine, outliers=False, seed=1)
     x = x0 if x is None else x
+    assert ops.backend_for(x) == "cpu-kernel"
     dy = torch.randn(x.shape, dtype=torch.float64)
     leaves64 = [t.double().requires_grad_() if t is not None else None for t in (x, w, b)]
     ref_fn(compressed)(*leaves64, eps).backward(dy)

@@ -3,12 +3,11 @@
 import pytest
 import torch
 
-from norm_cases import DTYPES, TOL, d64, inputs, ref_fn, rel
+from norm_cases import DTYPES, TOL, d64, inputs, needs_kernel, ref_fn, rel
 from normfold import ops
 from normfold.nn import AddCRMSNorm, AddRMSNorm
-from normfold.ops import cpu
 
-pytestmark = pytest.mark.skipif(cpu.library() is None, reason="CPU kernel unavailable (no C compiler)")
+pytestmark = needs_kernel
 
 FUSED = {False: ops.add_rms_norm, True: ops.add_crms_norm}
 

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from norm_cases import AFFINES, DTYPES, SHAPES, TOL, check_backward, check_forward, rel
+from norm_cases import AFFINES, DTYPES, SHAPES, TOL, check_backward, check_forward, needs_kernel, rel
 from normfold import ops
 from normfold.nn import CRMSNorm
-from normfold.ops import cpu, reference
+from normfold.ops import reference
 
-pytestmark = pytest.mark.skipif(cpu.library() is None, reason="CPU kernel unavailable (no C compiler)")
+pytestmark = needs_kernel
 
 
 @pytest.mark.parametrize("affine", AFFINES)
