@@ -22,9 +22,8 @@ import torch
 from torch import Tensor
 
 from ..errors import NormInputError
-from . import cpu, cpu_library, reference
+from . import cpu, cpu_library, reference, registry
 from .reference import layer_norm
-from . import registry
 from .registry import REFERENCE, Backend, backends, register_backend, select, unregister_backend
 
 __all__ = ["layer_norm", "rms_norm", "crms_norm", "add_rms_norm", "add_crms_norm", "backend_for", "prepare",
