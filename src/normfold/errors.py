@@ -41,3 +41,7 @@ class VerificationFailedError(NormfoldError):
     """The converted model's outputs differ from the original's beyond tolerance."""
 
     exit_code = 1
+
+
+class NormInputError(NormfoldError, ValueError):
+    """A norm op got tensors that do not fit together (a weight or bias of the wrong width)."""

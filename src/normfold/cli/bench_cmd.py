@@ -10,8 +10,9 @@ ran on, and prints the markdown table. Runs are interleaved (every round times e
 in rotating order) after a warm-up; medians and quartiles are reported.
 
 suites:
-  ops     norm forward: normfold RMSNorm / CRMSNorm vs F.layer_norm (with weight and bias),
-          F.rms_norm and x.clone() (the memory-bandwidth floor), float32 and bfloat16
+  ops     norm forward, backward and fused residual add: normfold RMSNorm / CRMSNorm vs
+          F.layer_norm (with weight and bias), F.rms_norm and x.clone() (the memory-bandwidth
+          floor), float32 / bfloat16 / float16 (--quick: float32 and bfloat16, 3 shapes)
   model   end-to-end forward of a model (default: the bundled one) before and after conversion,
           and with a naive F.rms_norm swap for comparison
 """

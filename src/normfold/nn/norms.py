@@ -1,4 +1,5 @@
-"""Norm modules that converted models use: RMSNorm (optional weight and bias), CRMSNorm, Recenter."""
+"""Norm modules that converted models use: RMSNorm (optional weight and bias), CRMSNorm, Recenter,
+and the fused residual-add variants AddRMSNorm / AddCRMSNorm."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class _AffineNorm(nn.Module):
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.ones(self.normalized_shape, **factory)) if weight else None
         self.bias = nn.Parameter(torch.zeros(self.normalized_shape, **factory)) if bias else None
+        ops.prepare()  # load the fast kernels now: torch.compile cannot load them while tracing
 
     def extra_repr(self) -> str:
         return (f"{self.normalized_shape[0]}, eps={self.eps}, weight={self.weight is not None}, "
@@ -75,6 +77,25 @@ class CRMSNorm(_AffineNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         return ops.crms_norm(x, self.weight, self.bias, self.eps)
+
+
+class AddRMSNorm(_AffineNorm):
+    """Residual add fused with RMSNorm: `forward(x, residual)` returns `(s, RMSNorm(s))`, s = x + residual.
+
+    Same parameters as RMSNorm; one pass over memory instead of an add and a norm (the CPU kernel
+    and the GPU backends fuse it). s is rounded to the input dtype before it is normalized, so the
+    result equals the unfused pair.
+    """
+
+    def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        return ops.add_rms_norm(x, residual, self.weight, self.bias, self.eps)
+
+
+class AddCRMSNorm(_AffineNorm):
+    """Residual add fused with CRMSNorm on the compressed (d−1)-wide stream: returns (s, CRMSNorm(s))."""
+
+    def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        return ops.add_crms_norm(x, residual, self.weight, self.bias, self.eps)
 
 
 class Recenter(nn.Module):

@@ -2,12 +2,19 @@
 
 Why this path: on CPU, torch's F.layer_norm is a fused kernel while F.rms_norm is composed of
 several ops and runs 1.2–16× slower than LayerNorm, so a plain swap would make converted models
-slower. A C kernel compiled with -O3 -march=native for the running machine is a single pass over
-memory. It needs only a C compiler (no torch headers, so it builds in well under a second), and is
-cached under $NORMFOLD_CACHE (default ~/.cache/normfold) keyed by source, flags and compiler.
+slower. The C kernels (csrc/) read each row once, use AVX-512 intrinsics when the building CPU has
+them (a portable vector-extension version otherwise) and need only a C compiler: no torch headers,
+so the build takes about two seconds, once. The library is cached under $NORMFOLD_CACHE (default
+~/.cache/normfold) keyed by source, flags, compiler and CPU, so `-march=native` code is never
+reused on a different CPU.
 
-If no compiler is found or the build fails, `library()` returns None and callers use the
-reference PyTorch ops. Set NORMFOLD_CPU_KERNEL=0 to force that fallback.
+If no compiler is found or every build fails, `library()` returns None (with one warning) and the
+dispatcher uses the reference PyTorch ops. NORMFOLD_CPU_KERNEL=0 forces that fallback;
+NORMFOLD_CPU_ISA=generic builds the portable version even on an AVX-512 machine (for testing).
+Both are read when the library is first needed (call `reset()` after changing them at run time):
+reading the environment on every call would cost more than a small norm itself.
+
+Backend interface (see normfold.ops.registry): `supports`, `forward`, `add_forward`, `backward`.
 """
 
 from __future__ import annotations
@@ -24,19 +31,30 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
-_SOURCE = Path(__file__).with_name("csrc") / "rmsnorm_cpu.c"
-_ABI_VERSION = 1
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCE = _CSRC / "rmsnorm_cpu.c"
+_ABI_VERSION = 2
+_COMMON = ["-O3", "-shared", "-fPIC"]
+# Tried in order: the machine's own ISA, then a generic build, then one without OpenMP (e.g. clang
+# without libomp), each a separate cached library.
 _FLAG_SETS = (
-    ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"],
-    ["-O3", "-fopenmp", "-shared", "-fPIC"],
+    ["-march=native", "-fopenmp"],
+    ["-fopenmp"],
+    [],
 )
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_PARAM_FAST = frozenset(DTYPE_CODES)
+ISA_NAMES = {2: "avx512", 1: "vector"}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 _build_error: str | None = None
+_lib_path: str | None = None
+_dtypes: frozenset = frozenset()  # dtypes the loaded library handles (empty when unavailable)
+_disabled = False
 
 
 def cache_dir() -> Path:
@@ -44,8 +62,16 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+def _env_off(name: str, default: str = "1") -> bool:
+    return os.environ.get(name, default).lower() in ("0", "false", "off", "no")
+
+
 def disabled() -> bool:
-    return os.environ.get("NORMFOLD_CPU_KERNEL", "1").lower() in ("0", "false", "off", "no")
+    return _env_off("NORMFOLD_CPU_KERNEL")
+
+
+def _forced_generic() -> bool:
+    return os.environ.get("NORMFOLD_CPU_ISA", "").lower() == "generic"
 
 
 def _compiler() -> str | None:
@@ -60,6 +86,23 @@ def _compiler_id(cc: str) -> str:
         return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return cc
+
+
+def _cpu_signature() -> str:
+    # -march=native code must not be reused on a different CPU sharing the cache directory.
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return hashlib.sha256(line.encode()).hexdigest()[:16]
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _sources() -> bytes:
+    """Every file the build reads (the .c and its headers), for the cache key."""
+    return _SOURCE.read_bytes() + b"".join(h.read_bytes() for h in sorted(_CSRC.glob("*.h")))
 
 
 def _build(cc: str, flags: list[str], target: Path) -> None:
@@ -78,34 +121,47 @@ def _build(cc: str, flags: list[str], target: Path) -> None:
 
 def _declare(lib: ctypes.CDLL) -> None:
     P, I64, F, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-    lib.nf_abi_version.restype = I
-    lib.nf_max_threads.restype = I
-    lib.nf_rms_forward.argtypes = [I, P, P, P, P, P, I64, I64, F, I]
-    lib.nf_rms_forward.restype = I
-    lib.nf_rms_backward.argtypes = [I, P, P, P, P, P, P, P, I64, I64, I]
-    lib.nf_rms_backward.restype = I
+    for name in ("nf_abi_version", "nf_isa"):
+        getattr(lib, name).restype = I
+        getattr(lib, name).argtypes = []
+    lib.nf_supports_dtype.argtypes = [I]
+    lib.nf_supports_dtype.restype = I
+    # dtype, x, xs, res, rst, w, wdt, b, bdt, y, s, rstd, rows, n, eps, compressed, nthreads
+    lib.nf_forward.argtypes = [I, P, I64, P, I64, P, I, P, I, P, P, P, I64, I64, F, I, I]
+    lib.nf_forward.restype = I
+    # dtype, dy, ds, x, xs, w, wdt, rstd, dx, dw_part, db_part, rows, n, compressed, nthreads
+    lib.nf_backward.argtypes = [I, P, P, P, I64, P, I, P, P, P, P, I64, I64, I, I]
+    lib.nf_backward.restype = I
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, building it on first call; None when unavailable."""
-    global _lib, _tried, _build_error
-    if disabled():
-        return None
-    if _tried:
-        return _lib
+    """The loaded kernel library, building it on first call; None when unavailable or disabled."""
+    if not _tried:
+        _load()
+    return _lib
+
+
+def _load() -> None:
+    global _lib, _tried, _build_error, _lib_path, _dtypes, _disabled
     with _lock:
         if _tried:
-            return _lib
-        _tried = True
+            return
+        _disabled = disabled()
+        if _disabled:
+            _tried = True
+            return
         cc = _compiler()
         if cc is None or platform.system() != "Linux":
             _build_error = "no C compiler found" if cc is None else f"unsupported platform {platform.system()}"
-            return None
-        source = _SOURCE.read_bytes()
+            _tried = True
+            return
+        source = _sources()
+        ident = _compiler_id(cc).encode() + platform.machine().encode() + _cpu_signature().encode()
+        extra = ["-DNF_FORCE_GENERIC"] if _forced_generic() else []
         errors = []
         for flags in _FLAG_SETS:
-            key = hashlib.sha256(source + " ".join(flags).encode() + _compiler_id(cc).encode()
-                                 + platform.machine().encode() + _cpu_signature().encode()).hexdigest()[:16]
+            flags = _COMMON + flags + extra
+            key = hashlib.sha256(source + " ".join(flags).encode() + ident).hexdigest()[:16]
             target = cache_dir() / f"librmsnorm_cpu-{key}.so"
             try:
                 if not target.exists():
@@ -114,84 +170,150 @@ def library() -> ctypes.CDLL | None:
                 _declare(lib)
                 if lib.nf_abi_version() != _ABI_VERSION:
                     raise OSError("kernel ABI version mismatch")
-                _lib = lib
-                return _lib
+                _dtypes = frozenset(dt for dt, code in DTYPE_CODES.items() if lib.nf_supports_dtype(code))
+                _lib, _lib_path, _tried = lib, str(target), True
+                return
             except (OSError, subprocess.SubprocessError) as exc:
                 detail = getattr(exc, "stderr", "") or str(exc)
                 errors.append(f"{' '.join(flags)}: {detail.strip()[:500]}")
         _build_error = "; ".join(errors)
-        warnings.warn(f"normfold: CPU kernel build failed, using PyTorch fallback ({_build_error})",
-                      RuntimeWarning, stacklevel=2)
-        return None
+        _tried = True
+    warnings.warn(f"normfold: CPU kernel build failed, using PyTorch fallback ({_build_error})",
+                  RuntimeWarning, stacklevel=3)
 
 
-def _cpu_signature() -> str:
-    # -march=native code must not be reused on a different CPU sharing the cache directory.
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return hashlib.sha256(line.encode()).hexdigest()[:16]
-    except OSError:
-        pass
-    return platform.processor()
+def _require() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"normfold CPU kernel unavailable ({_build_error or 'disabled'}); "
+                           "use normfold.ops, which falls back to the reference ops")
+    return lib
+
+
+def reset() -> None:
+    """Forget the loaded library and re-read the environment on next use (tests, switches)."""
+    global _lib, _tried, _build_error, _lib_path, _dtypes
+    with _lock:
+        _lib, _tried, _build_error, _lib_path, _dtypes = None, False, None, None, frozenset()
 
 
 def status() -> dict:
     """What the CPU path is doing, for `normfold bench` and bug reports."""
     lib = library()
-    return {"available": lib is not None, "disabled": disabled(), "error": _build_error,
-            "cache": str(cache_dir())}
+    return {"available": lib is not None, "disabled": _disabled, "error": _build_error,
+            "isa": ISA_NAMES.get(lib.nf_isa()) if lib is not None else None,
+            "library": _lib_path, "cache": str(cache_dir())}
 
 
-def supports(x: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype in DTYPE_CODES and x.dim() >= 1 and x.shape[-1] > 0
-            and x.numel() > 0 and library() is not None)
+def supports(x: Tensor) -> bool:
+    if not _tried:
+        if _tracing():
+            return False  # loading cannot be traced; nn modules load it when they are built
+        _load()
+    return x.is_cpu and x.dtype in _dtypes and x.dim() >= 1 and x.numel() > 0
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+def _tracing() -> bool:
+    try:
+        return torch.compiler.is_compiling()
+    except AttributeError:  # torch < 2.3
+        return False
 
 
-def _prep_param(p: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+# ---- raw kernel calls (no autograd) -----------------------------------------------------------------
+
+def _rows(t: Tensor, n: int) -> tuple[Tensor, int]:
+    """t as (rows, n) with a unit last stride, and the distance between its rows (a view when
+    possible: a slice x[..., :k] of a contiguous tensor is read in place)."""
+    if t.is_contiguous():
+        return t, n
+    t2 = t.reshape(-1, n)
+    if t2.stride(1) != 1 or (t2.shape[0] > 1 and t2.stride(0) < n):
+        t2 = t2.contiguous()
+    return t2, (t2.stride(0) if t2.shape[0] > 1 else n)
+
+
+def _param(p: Tensor | None, n: int, x: Tensor, name: str) -> tuple[Tensor | None, int]:
+    """A weight/bias the kernel can read (contiguous, float32 or x's dtype) and its dtype code."""
     if p is None:
-        return None
-    return p.detach().to(dtype=x.dtype).contiguous()
+        return None, 0
+    if p.dtype in _PARAM_FAST and p.is_contiguous() and p.is_cpu and p.numel() == n and (
+            p.dtype == torch.float32 or p.dtype == x.dtype):
+        return p, DTYPE_CODES[p.dtype]  # the common case, without extra tensor ops
+    if p.numel() != n:
+        raise ValueError(f"{name} has {p.numel()} elements, expected the normalized width {n}")
+    p = p.detach()
+    if p.dtype not in (torch.float32, x.dtype):
+        p = p.float()
+    if p.device.type != "cpu":
+        raise ValueError(f"{name} is on {p.device}, the input on cpu")
+    return p.contiguous(), DTYPE_CODES[p.dtype]
 
 
-def forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
-            compressed: bool, want_rstd: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Raw kernel call (no autograd). Returns (y, rstd or None); rstd has x.shape[:-1]."""
-    lib = library()
-    x = x.contiguous()
+def _empty(x: Tensor) -> Tensor:
+    # empty_like is the cheaper call, and contiguous for a contiguous x
+    return torch.empty_like(x) if x.is_contiguous() else torch.empty(x.shape, dtype=x.dtype)
+
+
+def _launch_fwd(x: Tensor, residual: Tensor | None, weight, bias, eps: float, compressed: bool, want_rstd: bool):
+    lib = _lib or _require()
     n = x.shape[-1]
+    x2, xs = _rows(x, n)
     rows = x.numel() // n
-    y = torch.empty_like(x)
+    r2, rst = _rows(residual, n) if residual is not None else (None, 0)
+    (w, wdt), (b, bdt) = _param(weight, n, x, "weight"), _param(bias, n, x, "bias")
+    y = _empty(x)
+    s = _empty(x) if residual is not None else None
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32) if want_rstd else None
-    w, b = _prep_param(weight, x), _prep_param(bias, x)
-    rc = lib.nf_rms_forward(DTYPE_CODES[x.dtype], x.data_ptr(), _ptr(w), _ptr(b), y.data_ptr(),
-                            _ptr(rstd), rows, n, float(eps), int(compressed))
+    rc = lib.nf_forward(DTYPE_CODES[x.dtype], x2.data_ptr(), xs, None if r2 is None else r2.data_ptr(), rst,
+                        None if w is None else w.data_ptr(), wdt, None if b is None else b.data_ptr(), bdt,
+                        y.data_ptr(), None if s is None else s.data_ptr(),
+                        None if rstd is None else rstd.data_ptr(), rows, n, float(eps), int(compressed),
+                        torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError(f"normfold CPU kernel: unsupported dtype {x.dtype}")
+        raise RuntimeError(f"normfold CPU kernel failed (code {rc}) for dtype {x.dtype}")
+    return s, y, rstd
+
+
+def forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, compressed: bool,
+            want_rstd: bool) -> tuple[Tensor, Tensor | None]:
+    """Raw kernel call (no autograd). Returns (y, rstd or None); rstd is float32 with x.shape[:-1]."""
+    _, y, rstd = _launch_fwd(x, None, weight, bias, eps, compressed, want_rstd)
     return y, rstd
 
 
-def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor,
-             compressed: bool, need_dw: bool, need_db: bool):
-    """Returns (dx, dweight or None, dbias or None); dweight/dbias in float32."""
-    lib = library()
-    dy = dy.contiguous().to(x.dtype)
+def add_forward(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+                compressed: bool, want_rstd: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Fused s = x + residual, y = norm(s) in one pass. Returns (s, y, rstd or None); s is rounded to
+    x's dtype before it is normalized, exactly as the unfused `x + residual` would be."""
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x "
+                         f"{tuple(x.shape)} {x.dtype}")
+    return _launch_fwd(x, residual, weight, bias, eps, compressed, want_rstd)
+
+
+def backward(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, compressed: bool, need_dw: bool,
+             need_db: bool, ds: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Gradients of y = norm(x) given dy; `x` is the normalized input (the sum s for the fused
+    variant, whose own gradient `ds` is then added to dx in the same pass). Returns
+    (dx, dweight or None, dbias or None); dweight/dbias in float32."""
+    lib = _lib or _require()
     n = x.shape[-1]
+    x2, xs = _rows(x, n)
     rows = x.numel() // n
-    dx = torch.empty_like(x)
-    threads = max(1, lib.nf_max_threads())
-    dw_part = torch.zeros(threads, n, dtype=torch.float32) if need_dw else None
-    db_part = torch.zeros(threads, n, dtype=torch.float32) if need_db else None
-    w = _prep_param(weight, x)
-    rc = lib.nf_rms_backward(DTYPE_CODES[x.dtype], dy.data_ptr(), x.data_ptr(), _ptr(w), rstd.data_ptr(),
-                             dx.data_ptr(), _ptr(dw_part), _ptr(db_part), rows, n, int(compressed))
+    dy2 = dy.to(x.dtype).reshape(rows, n).contiguous()
+    ds2 = None if ds is None else ds.to(x.dtype).reshape(rows, n).contiguous()
+    w, wdt = _param(weight, n, x, "weight")
+    rstd = rstd.reshape(rows).contiguous()
+    dx = _empty(x)
+    threads = max(1, torch.get_num_threads())
+    # Per-thread float32 partial rows; the kernel sums them into row 0.
+    dw_part = torch.empty(threads, n, dtype=torch.float32) if need_dw else None
+    db_part = torch.empty(threads, n, dtype=torch.float32) if need_db else None
+    rc = lib.nf_backward(DTYPE_CODES[x.dtype], dy2.data_ptr(), None if ds2 is None else ds2.data_ptr(),
+                         x2.data_ptr(), xs, None if w is None else w.data_ptr(), wdt, rstd.data_ptr(),
+                         dx.data_ptr(), None if dw_part is None else dw_part.data_ptr(),
+                         None if db_part is None else db_part.data_ptr(), rows, n, int(compressed), threads)
     if rc != 0:
-        raise RuntimeError(f"normfold CPU kernel: unsupported dtype {x.dtype}")
-    dw = dw_part.sum(0) if need_dw else None
-    db = db_part.sum(0) if need_db else None
-    return dx, dw, db
+        raise RuntimeError(f"normfold CPU kernel failed (code {rc}) for dtype {x.dtype}")
+    return dx, (dw_part[0] if need_dw else None), (db_part[0] if need_db else None)

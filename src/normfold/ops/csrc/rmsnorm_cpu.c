@@ -1,178 +1,173 @@
-/* normfold CPU kernels: RMSNorm and CRMSNorm forward/backward over the last dimension.
+/* normfold CPU kernels: RMSNorm and CRMSNorm over the last dimension, forward and backward, with
+ * optional weight and bias and an optional fused residual add (s = x + r; y = norm(s)).
  *
  * Built on first use by normfold/ops/cpu.py (cc -O3 -march=native -fopenmp -shared) and called
- * through ctypes. Rows are split across OpenMP threads; torch ships libgomp.so.1 with the same
- * soname, so this library joins torch's thread pool instead of starting a second one.
+ * through ctypes. nf_simd.h picks AVX-512 intrinsics or a portable vector-extension version for the
+ * building CPU; nf_kernels.h holds the row kernels, instantiated here for float32, bfloat16 and
+ * float16. Rows are split across OpenMP threads; torch ships libgomp.so.1 with the same soname, so
+ * this library joins torch's thread pool instead of starting a second one.
  *
- * Statistics accumulate in float32 for every input dtype. The affine (weight, bias) is applied in
- * float32 and the result rounded once to the output dtype (round-to-nearest-even for bf16, like
- * torch). CRMSNorm (paper 001 eq. 5) takes the first n = d-1 coordinates of a zero-mean vector:
- *   ms = (sum x^2 + (sum x)^2) / d,   y = x / sqrt(ms + eps) * w + b.
+ * Statistics accumulate in float32 for every dtype; the affine is applied in float32 and each
+ * result rounded once to the output dtype. CRMSNorm (paper 001 eq. 5) takes the first n = d-1
+ * coordinates of a zero-mean vector: ms = (Σx² + (Σx)²)/d, y = x / sqrt(ms + eps) · w + b.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "nf_simd.h"
+
+#ifdef _OPENMP
 #include <omp.h>
+static inline int nf_thread_num(void) { return omp_get_thread_num(); }
+static inline int nf_num_threads(void) { return omp_get_num_threads(); }
+#else
+static inline int nf_thread_num(void) { return 0; }
+static inline int nf_num_threads(void) { return 1; }
+#endif
+
+#define NF_INLINE inline __attribute__((always_inline))
+#define NF_ABI_VERSION 2
+/* Below this many elements per thread a parallel region costs more than it saves (ATen's grain). */
+#define NF_GRAIN 32768
+/* Rows per block (see nf_kernels.h). */
+#ifndef NF_RB
+#define NF_RB 4
+#endif
+/* Forward blocks only while NF_RB rows fit in this many bytes of L1 (see nf_kernels.h). */
+#define NF_L1_BLOCK 16384
+
+#include "nf_bf16dot.h"
 
 enum { NF_F32 = 0, NF_BF16 = 1, NF_F16 = 2 };
 
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = ((uint32_t)v) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+/* rows[0] += rows[1..k-1] (per-thread partial sums of dweight / dbias). */
+static void nf_reduce_rows(float *rows, int k, int64_t n) {
+    if (!rows) return;
+    for (int t = 1; t < k; t++)
+        for (int64_t j = 0; j < n; j++) rows[j] += rows[(int64_t)t * n + j];
 }
 
-#define LD_F32(p, i) ((p)[i])
-#define ST_F32(p, i, v) ((p)[i] = (v))
-#define LD_BF16(p, i) bf16_to_f32((p)[i])
-#define ST_BF16(p, i, v) ((p)[i] = f32_to_bf16(v))
-#define LD_F16(p, i) ((float)(p)[i])
-#define ST_F16(p, i, v) ((p)[i] = (_Float16)(v))
+/* One instantiation per dtype: NF_FWD_BLOCK says whether forward blocks pay off (half types), and
+ * NF_USE_BF16DOT takes bf16 statistics from nf_bf16dot.h. */
+#define NF_T float
+#define NF_S f32
+#define NF_FWD_BLOCK 0
+#define NF_USE_BF16DOT 0
+#include "nf_kernels.h"
+#undef NF_T
+#undef NF_S
+#undef NF_FWD_BLOCK
+#undef NF_USE_BF16DOT
 
-#define NF_LANES 16
+#define NF_T uint16_t
+#define NF_S bf16
+#define NF_FWD_BLOCK 1
+#define NF_USE_BF16DOT NF_BF16DOT
+#include "nf_kernels.h"
+#undef NF_T
+#undef NF_S
+#undef NF_FWD_BLOCK
+#undef NF_USE_BF16DOT
 
-/* One row's sum of squares and plain sum, with NF_LANES independent accumulators so the
- * compiler can vectorize without -ffast-math. */
-#define DEFINE_ROW_STATS(SUF, T, LD)                                                          \
-    static inline void row_stats_##SUF(const T *xr, int64_t n, float *sq, float *sm) {       \
-        float a[NF_LANES] = {0}, s[NF_LANES] = {0};                                           \
-        int64_t j = 0;                                                                        \
-        for (; j + NF_LANES <= n; j += NF_LANES)                                              \
-            for (int k = 0; k < NF_LANES; k++) {                                              \
-                float v = LD(xr, j + k);                                                      \
-                a[k] += v * v;                                                                \
-                s[k] += v;                                                                    \
-            }                                                                                 \
-        float ta = 0.f, ts = 0.f;                                                             \
-        for (int k = 0; k < NF_LANES; k++) { ta += a[k]; ts += s[k]; }                        \
-        for (; j < n; j++) { float v = LD(xr, j); ta += v * v; ts += v; }                     \
-        *sq = ta;                                                                             \
-        *sm = ts;                                                                             \
+#if NF_HAVE_F16
+#define NF_T nf_f16
+#define NF_S f16
+#define NF_FWD_BLOCK 1
+#define NF_USE_BF16DOT 0
+#include "nf_kernels.h"
+#undef NF_T
+#undef NF_S
+#undef NF_FWD_BLOCK
+#undef NF_USE_BF16DOT
+#endif
+
+/* A weight or bias as float32: itself when it already is, else a converted copy (caller frees). */
+static const float *nf_param_f32(const void *p, int dtype, int64_t n, float **owned) {
+    *owned = 0;
+    if (!p || dtype == NF_F32) return (const float *)p;
+    float *out = (float *)malloc((size_t)n * sizeof(float));
+    if (!out) return 0;
+    for (int64_t j = 0; j < n; j++) {
+        if (dtype == NF_BF16) out[j] = nf_bf16_to_f32(((const uint16_t *)p)[j]);
+#if NF_HAVE_F16
+        else out[j] = (float)((const nf_f16 *)p)[j];
+#endif
     }
+    *owned = out;
+    return out;
+}
 
-#define DEFINE_ROW_SQ(SUF, T, LD)                                                             \
-    static inline float row_sq_##SUF(const T *xr, int64_t n) {                               \
-        float a[NF_LANES] = {0};                                                              \
-        int64_t j = 0;                                                                        \
-        for (; j + NF_LANES <= n; j += NF_LANES)                                              \
-            for (int k = 0; k < NF_LANES; k++) { float v = LD(xr, j + k); a[k] += v * v; }    \
-        float ta = 0.f;                                                                       \
-        for (int k = 0; k < NF_LANES; k++) ta += a[k];                                        \
-        for (; j < n; j++) { float v = LD(xr, j); ta += v * v; }                              \
-        return ta;                                                                            \
-    }
+static int nf_threads_for(int requested, int64_t rows, int64_t n) {
+    int64_t by_work = (rows * n) / NF_GRAIN;
+    int64_t t = requested < by_work ? requested : by_work;
+    if (t > rows) t = rows;
+    return t < 1 ? 1 : (int)t;
+}
 
-#define DEFINE_FORWARD(SUF, T, LD, ST)                                                        \
-    static void forward_##SUF(const T *x, const T *w, const T *b, T *y, float *rstd,          \
-                              int64_t rows, int64_t n, float eps, int compressed) {           \
-        const float inv_d = 1.0f / (float)(compressed ? n + 1 : n);                           \
-        _Pragma("omp parallel for schedule(static)")                                          \
-        for (int64_t r = 0; r < rows; r++) {                                                  \
-            const T *xr = x + r * n;                                                          \
-            T *yr = y + r * n;                                                                \
-            float ms;                                                                         \
-            if (compressed) {                                                                 \
-                float sq, sm;                                                                 \
-                row_stats_##SUF(xr, n, &sq, &sm);                                             \
-                ms = (sq + sm * sm) * inv_d;                                                  \
-            } else {                                                                          \
-                ms = row_sq_##SUF(xr, n) * inv_d;                                             \
-            }                                                                                 \
-            const float rs = 1.0f / sqrtf(ms + eps);                                          \
-            if (rstd) rstd[r] = rs;                                                           \
-            if (w && b) { for (int64_t j = 0; j < n; j++) ST(yr, j, LD(xr, j) * rs * LD(w, j) + LD(b, j)); } \
-            else if (w) { for (int64_t j = 0; j < n; j++) ST(yr, j, LD(xr, j) * rs * LD(w, j)); }           \
-            else if (b) { for (int64_t j = 0; j < n; j++) ST(yr, j, LD(xr, j) * rs + LD(b, j)); }           \
-            else        { for (int64_t j = 0; j < n; j++) ST(yr, j, LD(xr, j) * rs); }                      \
-        }                                                                                     \
-    }
+/* Backward blocks rows (see nf_kernels.h) when its rows are wide or when dy, x and dx together fit
+ * in cache; otherwise they stream from memory and one row at a time wins. The 20 MiB bound was
+ * measured on a 32 MiB-L3 EPYC (18 MiB: blocks faster, 24 MiB and more: slower). It is a constant:
+ * sysconf's cache size is unreliable in VMs (it reported the whole socket's 384 MiB there). */
+#define NF_BWD_CACHED_BYTES ((int64_t)20 << 20)
 
-/* Backward. With g = dy * w (or dy), r = rstd, c = sum_k g_k x_k:
- *   RMSNorm:  dx_j = r g_j - r^3 x_j c / d
- *   CRMSNorm: dx_j = r g_j - r^3 (x_j + sum x) c / d
- * dw = sum_rows dy * x * r and db = sum_rows dy accumulate into per-thread float32 rows of
- * dw_part / db_part (nthreads x n), summed by the caller. */
-#define DEFINE_BACKWARD(SUF, T, LD, ST)                                                       \
-    static void backward_##SUF(const T *dy, const T *x, const T *w, const float *rstd, T *dx, \
-                               float *dw_part, float *db_part, int64_t rows, int64_t n,       \
-                               int compressed) {                                              \
-        const float inv_d = 1.0f / (float)(compressed ? n + 1 : n);                           \
-        _Pragma("omp parallel")                                                               \
-        {                                                                                     \
-            const int tid = omp_get_thread_num();                                             \
-            float *dwt = dw_part ? dw_part + (int64_t)tid * n : 0;                            \
-            float *dbt = db_part ? db_part + (int64_t)tid * n : 0;                            \
-            _Pragma("omp for schedule(static)")                                               \
-            for (int64_t r = 0; r < rows; r++) {                                              \
-                const T *xr = x + r * n, *dyr = dy + r * n;                                   \
-                T *dxr = dx + r * n;                                                          \
-                const float rs = rstd[r];                                                     \
-                float c = 0.f, sm = 0.f;                                                      \
-                for (int64_t j = 0; j < n; j++) {                                             \
-                    float g = LD(dyr, j) * (w ? LD(w, j) : 1.0f);                             \
-                    float v = LD(xr, j);                                                      \
-                    c += g * v;                                                               \
-                    sm += v;                                                                  \
-                }                                                                             \
-                const float k = rs * rs * rs * c * inv_d;                                     \
-                const float shift = compressed ? sm : 0.f;                                    \
-                for (int64_t j = 0; j < n; j++) {                                             \
-                    float g = LD(dyr, j) * (w ? LD(w, j) : 1.0f);                             \
-                    float v = LD(xr, j);                                                      \
-                    ST(dxr, j, rs * g - k * (v + shift));                                     \
-                    if (dwt) dwt[j] += LD(dyr, j) * v * rs;                                   \
-                    if (dbt) dbt[j] += LD(dyr, j);                                            \
-                }                                                                             \
-            }                                                                                 \
-        }                                                                                     \
-    }
-
-DEFINE_ROW_STATS(f32, float, LD_F32)
-DEFINE_ROW_SQ(f32, float, LD_F32)
-DEFINE_FORWARD(f32, float, LD_F32, ST_F32)
-DEFINE_BACKWARD(f32, float, LD_F32, ST_F32)
-
-DEFINE_ROW_STATS(bf16, uint16_t, LD_BF16)
-DEFINE_ROW_SQ(bf16, uint16_t, LD_BF16)
-DEFINE_FORWARD(bf16, uint16_t, LD_BF16, ST_BF16)
-DEFINE_BACKWARD(bf16, uint16_t, LD_BF16, ST_BF16)
-
-DEFINE_ROW_STATS(f16, _Float16, LD_F16)
-DEFINE_ROW_SQ(f16, _Float16, LD_F16)
-DEFINE_FORWARD(f16, _Float16, LD_F16, ST_F16)
-DEFINE_BACKWARD(f16, _Float16, LD_F16, ST_F16)
+static int nf_backward_block_rows(int64_t rows, int64_t n, int64_t elem) {
+    return (n * elem >= 8192 || 3 * rows * n * elem <= NF_BWD_CACHED_BYTES) ? NF_RB : 1;
+}
 
 /* ---- exported entry points (ctypes) ---- */
 
-int nf_abi_version(void) { return 1; }
+int nf_abi_version(void) { return NF_ABI_VERSION; }
 
-int nf_max_threads(void) { return omp_get_max_threads(); }
+/* 2 = AVX-512 intrinsics, 1 = portable vector code. */
+int nf_isa(void) { return NF_ISA; }
 
-int nf_rms_forward(int dtype, const void *x, const void *w, const void *b, void *y, float *rstd,
-                   int64_t rows, int64_t n, float eps, int compressed) {
+int nf_supports_dtype(int dtype) { return dtype == NF_F32 || dtype == NF_BF16 || (dtype == NF_F16 && NF_HAVE_F16); }
+
+/* y = norm(x) or, with res, s = x + res and y = norm(s). x and res rows are xs / rst elements apart
+ * (last dimension contiguous); y, s are contiguous. rstd (optional) gets 1/sqrt(ms + eps) per row.
+ * w / b are optional, of dtype wdt / bdt (float32 or the input dtype). Returns 0, or -1 for an
+ * unsupported dtype, -2 when out of memory. */
+int nf_forward(int dtype, const void *x, int64_t xs, const void *res, int64_t rst, const void *w, int wdt,
+               const void *b, int bdt, void *y, void *s, float *rstd, int64_t rows, int64_t n, float eps,
+               int compressed, int nthreads) {
+    if (!nf_supports_dtype(dtype)) return -1;
+    float *wo, *bo;
+    const float *wf = nf_param_f32(w, wdt, n, &wo), *bf = nf_param_f32(b, bdt, n, &bo);
+    if ((w && !wf) || (b && !bf)) { free(wo); free(bo); return -2; }
+    const int nth = nf_threads_for(nthreads, rows, n);
     switch (dtype) {
-    case NF_F32: forward_f32(x, w, b, y, rstd, rows, n, eps, compressed); return 0;
-    case NF_BF16: forward_bf16(x, w, b, y, rstd, rows, n, eps, compressed); return 0;
-    case NF_F16: forward_f16(x, w, b, y, rstd, rows, n, eps, compressed); return 0;
-    default: return -1;
+    case NF_F32: forward_f32(x, xs, res, rst, wf, bf, y, s, rstd, rows, n, eps, compressed, nth); break;
+    case NF_BF16: forward_bf16(x, xs, res, rst, wf, bf, y, s, rstd, rows, n, eps, compressed, nth); break;
+#if NF_HAVE_F16
+    case NF_F16: forward_f16(x, xs, res, rst, wf, bf, y, s, rstd, rows, n, eps, compressed, nth); break;
+#endif
     }
+    free(wo);
+    free(bo);
+    return 0;
 }
 
-int nf_rms_backward(int dtype, const void *dy, const void *x, const void *w, const float *rstd,
-                    void *dx, float *dw_part, float *db_part, int64_t rows, int64_t n,
-                    int compressed) {
+/* dx from dy (and ds, the gradient of the fused sum, when given); x is the normalized input (the sum
+ * s for the fused op), xs elements between rows. dw_part / db_part (optional) are nthreads x n
+ * float32 scratch rows; on return row 0 holds dweight / dbias. */
+int nf_backward(int dtype, const void *dy, const void *ds, const void *x, int64_t xs, const void *w, int wdt,
+                const float *rstd, void *dx, float *dw_part, float *db_part, int64_t rows, int64_t n,
+                int compressed, int nthreads) {
+    if (!nf_supports_dtype(dtype)) return -1;
+    float *wo;
+    const float *wf = nf_param_f32(w, wdt, n, &wo);
+    if (w && !wf) return -2;
+    const int nth = nf_threads_for(nthreads, rows, n);
+    const int rb = nf_backward_block_rows(rows, n, dtype == NF_F32 ? 4 : 2);
     switch (dtype) {
-    case NF_F32: backward_f32(dy, x, w, rstd, dx, dw_part, db_part, rows, n, compressed); return 0;
-    case NF_BF16: backward_bf16(dy, x, w, rstd, dx, dw_part, db_part, rows, n, compressed); return 0;
-    case NF_F16: backward_f16(dy, x, w, rstd, dx, dw_part, db_part, rows, n, compressed); return 0;
-    default: return -1;
+    case NF_F32: backward_f32(dy, ds, x, xs, wf, rstd, dx, dw_part, db_part, rows, n, compressed, nth, rb); break;
+    case NF_BF16: backward_bf16(dy, ds, x, xs, wf, rstd, dx, dw_part, db_part, rows, n, compressed, nth, rb); break;
+#if NF_HAVE_F16
+    case NF_F16: backward_f16(dy, ds, x, xs, wf, rstd, dx, dw_part, db_part, rows, n, compressed, nth, rb); break;
+#endif
     }
+    free(wo);
+    return 0;
 }
