@@ -4,6 +4,8 @@
 
 - CPU tensors in float32 / bfloat16 / float16: the C kernel of `normfold.ops.cpu` (forward and
   backward), unless NORMFOLD_CPU_KERNEL=0 or it could not be built;
+- CUDA tensors in float32 / bfloat16 / float16: the Triton kernels of `normfold.ops.triton_kernels`
+  when the `triton` package is installed, unless NORMFOLD_TRITON=0;
 - inside `torch.compile`: the reference formula, which inductor fuses with its neighbours;
 - anything else (float64, other devices without a fast path): the reference formula.
 
@@ -17,7 +19,7 @@ import os
 import torch
 from torch import Tensor
 
-from . import cpu, reference
+from . import cpu, reference, triton_kernels
 from .reference import layer_norm
 
 __all__ = ["layer_norm", "rms_norm", "crms_norm", "backend_for", "reference"]
@@ -35,11 +37,13 @@ def _compiling() -> bool:
 
 
 def backend_for(x: Tensor) -> str:
-    """Name of the implementation `rms_norm(x, ...)` would use: 'cpu-kernel' or 'reference'."""
+    """Name of the implementation `rms_norm(x, ...)` would use: 'cpu-kernel', 'triton' or 'reference'."""
     if _forced_reference() or _compiling():
         return "reference"
     if cpu.supports(x):
         return "cpu-kernel"
+    if triton_kernels.supports(x):
+        return "triton"
     return "reference"
 
 
@@ -66,7 +70,10 @@ class _CPUNormFunction(torch.autograd.Function):
 
 
 def _dispatch(x: Tensor, weight, bias, eps: float, compressed: bool) -> Tensor:
-    if backend_for(x) == "cpu-kernel":
+    backend = backend_for(x)
+    if backend == "triton":
+        return triton_kernels.norm(x, weight, bias, eps, compressed)
+    if backend == "cpu-kernel":
         if torch.is_grad_enabled() and (x.requires_grad or any(p is not None and p.requires_grad
                                                                for p in (weight, bias))):
             return _CPUNormFunction.apply(x, weight, bias, eps, compressed)
