@@ -75,5 +75,6 @@ def test_paper_sizes():
     assert [(c.dim, c.depth, c.heads, c.mlp, c.patch) for c in em.VIT_SIZES.values()] == [
         (192, 12, 3, 768, 16), (384, 12, 6, 1536, 16), (768, 12, 12, 3072, 16), (1024, 24, 16, 4096, 16),
         (1280, 32, 16, 5120, 14)]
-    assert [(c.dim, c.depth, c.heads, c.seq) for c in em.GPT3_SIZES.values()] == [(768, 12, 12, 512), (1024, 24, 16, 512)]
+    assert [(c.dim, c.depth, c.heads, c.seq) for c in em.GPT3_SIZES.values()] == [
+        (768, 12, 12, 512), (1024, 24, 16, 512)]
     assert em.VIT_SIZES["huge"].tokens() == 257

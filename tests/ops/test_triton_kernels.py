@@ -1,8 +1,8 @@
 """The Triton kernels (normfold.ops.triton_kernels) against the float64 reference: outputs and gradients.
 
 On a CUDA machine they run on the GPU. Without one they run on CPU tensors in Triton's interpreter,
-which must be switched on (TRITON_INTERPRET=1) before triton is first imported: this module does
-that at collection time. Without the `triton` package everything here is skipped.
+which must be switched on (TRITON_INTERPRET=1) before triton is first imported: tests/conftest.py
+does that. Without the `triton` package everything here is skipped.
 """
 
 import os
@@ -12,17 +12,15 @@ import sys
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from normfold import ops
+from normfold.ops import reference, triton_kernels as tk
 
-from normfold import ops  # noqa: E402
-from normfold.ops import reference, triton_kernels as tk  # noqa: E402
+HAS_CUDA = torch.cuda.is_available()
 
 if not tk.available():
     pytest.skip("the triton package is not installed (pip install triton)", allow_module_level=True)
 if not HAS_CUDA and not tk.interpreting():
-    pytest.skip("no CUDA, and triton was imported before interpreter mode could be enabled",
+    pytest.skip("no CUDA, and TRITON_INTERPRET=1 was not set before triton was imported",
                 allow_module_level=True)
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"

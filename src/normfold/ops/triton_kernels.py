@@ -40,7 +40,10 @@ MAX_WIDTH = 65536
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
     """Whether the optional `triton` package is installed (CUDA wheels of torch ship it)."""
-    return importlib.util.find_spec("triton") is not None
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a broken or half-removed installation
+        return False
 
 
 def interpreting() -> bool:
