@@ -56,7 +56,7 @@ def forward_candidates(shape, dtype, device) -> dict:
     x = torch.randn(shape, dtype=dtype, device=device, generator=g)
     r = torch.randn(shape, dtype=dtype, device=device, generator=g)
     xc = torch.randn(*shape[:-1], d - 1, dtype=dtype, device=device, generator=g)
-    w, b = torch.randn(d, dtype=dtype, device=device, generator=g), torch.randn(d, dtype=dtype, device=device, generator=g)
+    w, b = (torch.randn(d, dtype=dtype, device=device, generator=g) for _ in range(2))
     wc = w[: d - 1].contiguous()
     cands = {
         "layer_norm": lambda: F.layer_norm(x, (d,), w, b, EPS),
@@ -78,11 +78,12 @@ def backward_candidates(shape, dtype, device) -> dict:
     g = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(shape, dtype=dtype, device=device, generator=g)
     dy = torch.randn(shape, dtype=dtype, device=device, generator=g)
-    w, b = torch.randn(d, dtype=dtype, device=device, generator=g), torch.randn(d, dtype=dtype, device=device, generator=g)
+    w, b = (torch.randn(d, dtype=dtype, device=device, generator=g) for _ in range(2))
     _, mean, rstd_ln = torch.ops.aten.native_layer_norm(x, [d], w, b, EPS)
     _, rstd = tk.forward(x, w, None, EPS, False, want_rstd=True)
     cands = {
-        "bwd_ln": lambda: torch.ops.aten.native_layer_norm_backward(dy, x, [d], mean, rstd_ln, w, b, [True, True, True]),
+        "bwd_ln": lambda: torch.ops.aten.native_layer_norm_backward(dy, x, [d], mean, rstd_ln, w, b,
+                                                                    [True, True, True]),
         "bwd_rms": lambda: tk.backward(dy, x, w, rstd, False, need_dw=True, need_db=False),
     }
     fused, fused_bwd = _aten("_fused_rms_norm"), _aten("_fused_rms_norm_backward")
@@ -151,7 +152,8 @@ def run(out_dir="benchmarks", quick: bool = False, rounds: int | None = None, pr
                    "rms/copy_bw": us["copy"] / us["rms"], "rms/ln": _ratio(us, "rms", "layer_norm"),
                    "rms/torch_rms": _ratio(us, "rms", "torch_rms"), "rms/aten_rms": _ratio(us, "rms", "aten_rms"),
                    "crms/ln": _ratio(us, "crms", "layer_norm"), "add_rms/add_ln": _ratio(us, "add_rms", "add_ln"),
-                   "bwd_rms/ln": _ratio(us, "bwd_rms", "bwd_ln"), "bwd_rms/aten_rms": _ratio(us, "bwd_rms", "bwd_aten_rms"),
+                   "bwd_rms/ln": _ratio(us, "bwd_rms", "bwd_ln"),
+                   "bwd_rms/aten_rms": _ratio(us, "bwd_rms", "bwd_aten_rms"),
                    "timing": "cuda-graph" if graphs and device.startswith("cuda") else "eager",
                    "backend": ops.backend_for(torch.empty(1, shape[-1], dtype=dtype, device=device))}
             faster = all(not (row[k] >= 1.0) for k in ("rms/ln", "rms/torch_rms", "rms/aten_rms"))
