@@ -156,6 +156,58 @@ def test_importing_normfold_does_not_import_triton():
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 0
 
 
+class _FakeKernel:
+    """Records launches instead of running them (for the launch-path logic, which needs no GPU)."""
+
+    def __init__(self, log, name, best=None):
+        self.log, self.name, self.best_config = log, name, best
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            meta = {**kwargs, **(self.best_config.kwargs if self.best_config else {})}  # as the autotuner does
+            self.log.append((self.name, grid(meta) if callable(grid) else grid, kwargs))
+        return launch
+
+
+def test_autotuned_launch_tunes_once_then_calls_the_kernel_with_the_chosen_config(monkeypatch):
+    import triton
+
+    log = []
+    best = triton.Config({"BLOCK_M": 4}, num_warps=8)
+    fake = {"fwd": _FakeKernel(log, "fwd"), "fwd_tuned": _FakeKernel(log, "fwd_tuned", best),
+            "bwd": _FakeKernel(log, "bwd"), "bwd_tuned": _FakeKernel(log, "bwd_tuned", triton.Config({}, num_warps=4))}
+    monkeypatch.setattr(tk, "_kernels", lambda: fake)
+    monkeypatch.setattr(tk, "_tuned", lambda: True)
+    monkeypatch.setattr(tk, "_CHOSEN", {})
+    x = torch.randn(37, 768)
+    for _ in range(3):
+        tk.forward(x, None, None, 1e-5, False, want_rstd=False)
+    tk.forward(x, None, None, 1e-5, True, want_rstd=False)  # a different kernel specialization: tuned again
+    names = [entry[0] for entry in log]
+    assert names == ["fwd_tuned", "fwd", "fwd", "fwd_tuned"]
+    _, grid, kwargs = log[1]
+    assert kwargs["BLOCK_M"] == 4 and kwargs["num_warps"] == 8 and grid == (10,)  # ceil(37 / 4)
+    tk.backward(torch.randn(37, 768), x, None, torch.ones(37), False, need_dw=False, need_db=True)
+    tk.backward(torch.randn(37, 768), x, None, torch.ones(37), False, need_dw=False, need_db=True)
+    assert [entry[0] for entry in log[4:]] == ["bwd_tuned", "bwd"] and log[5][2]["num_warps"] == 4
+
+
+@pytest.mark.parametrize("n", [1, 7, 768, 1023, 4096, 65536])
+@pytest.mark.parametrize("rows", [1, 512, 8192])
+def test_launch_configurations_are_valid(n, rows):
+    import triton
+
+    tk._triton()
+    for cfg in tk._prune_fwd(tk._fwd_configs(), {"n": n, "rows": rows}):
+        bm, warps = cfg.kwargs["BLOCK_M"], cfg.num_warps
+        assert bm in (1, 2, 4, 8, 16) and warps in (1, 2, 4, 8, 16, 32)
+        assert bm * triton.next_power_of_2(n) <= max(32768, triton.next_power_of_2(n))
+    assert tk._prune_bwd(tk._bwd_configs(), {"n": n, "rows": rows})
+    bm, warps = tk._fwd_heuristic(rows, tk._pow2(n), torch.bfloat16, 132)
+    assert 1 <= bm <= 16 and 1 <= warps <= 32 and (bm == 1 or tk._cdiv(rows, bm) >= 2 * 132)
+    assert tk._pow2(n) == triton.next_power_of_2(n)
+
+
 # ---- on a GPU only -----------------------------------------------------------------------------------
 
 cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")

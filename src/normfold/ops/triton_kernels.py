@@ -130,30 +130,42 @@ def _per_thread(tile: int, warps: int) -> float:
 
 
 def _prune_fwd(configs, named_args, **kwargs):
-    block_n = triton.next_power_of_2(named_args["n"])
+    block_n = _pow2(named_args["n"])
     rows = named_args["rows"]
     keep = [c for c in configs
             if c.kwargs["BLOCK_M"] * block_n <= 32768
             and 4 <= _per_thread(c.kwargs["BLOCK_M"] * block_n, c.num_warps) <= 64
             and (c.kwargs["BLOCK_M"] == 1 or rows >= 8 * c.kwargs["BLOCK_M"])]
-    return keep or [_fwd_heuristic(rows, block_n, torch.float32, 132)]
+    block_m, warps = _fwd_heuristic(rows, block_n, torch.float32, 132)
+    return keep or [triton.Config({"BLOCK_M": block_m}, num_warps=warps)]
 
 
 def _prune_bwd(configs, named_args, **kwargs):
-    block_n = triton.next_power_of_2(named_args["n"])
+    block_n = _pow2(named_args["n"])
     keep = [c for c in configs if 2 <= _per_thread(block_n, c.num_warps) <= 64]
     return keep or [triton.Config({}, num_warps=_bwd_warps(block_n))]
 
 
-def _fwd_heuristic(rows: int, block_n: int, dtype: torch.dtype, sms: int):
-    """BLOCK_M rows per program so a tile is ~16 KB of input (fewer when that would leave SMs
-    idle), and ~16 elements per thread."""
+@functools.lru_cache(maxsize=4096)
+def _fwd_heuristic(rows: int, block_n: int, dtype: torch.dtype, sms: int) -> tuple[int, int]:
+    """(BLOCK_M, num_warps): BLOCK_M rows per program so a tile is ~16 KB of input (fewer when that
+    would leave SMs idle), and ~16 elements per thread."""
     target = (16384 // (4 if dtype == torch.float32 else 2))
     block_m = max(1, min(16, target // block_n))
-    while block_m > 1 and triton.cdiv(rows, block_m) < 2 * sms:
+    while block_m > 1 and _cdiv(rows, block_m) < 2 * sms:
         block_m //= 2
-    warps = max(1, min(32, triton.next_power_of_2(block_m * block_n) // 512))
-    return triton.Config({"BLOCK_M": block_m}, num_warps=warps)
+    warps = max(1, min(32, _pow2(block_m * block_n) // 512))
+    return block_m, warps
+
+
+# Plain-int helpers: triton.cdiv / next_power_of_2 are constexpr functions whose host-side calls
+# cost microseconds each, which adds up on a per-launch path.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 def _bwd_warps(block_n: int) -> int:
@@ -171,7 +183,7 @@ def _sms(x: Tensor) -> int:
 
 
 def _bucket(rows: int) -> int:
-    return triton.next_power_of_2(rows)
+    return _pow2(rows)
 
 
 def _rows2d(t: Tensor, n: int) -> Tensor:
@@ -183,6 +195,8 @@ def _param(p: Tensor | None, n: int, x: Tensor, name: str) -> Tensor | None:
         return None
     if p.numel() != n:
         raise ValueError(f"{name} has {p.numel()} elements, expected the normalized width {n}")
+    if p.dim() == 1 and p.is_contiguous() and p.device == x.device:
+        return p  # the common case, without per-call copies or views
     return p.detach().reshape(n).to(device=x.device).contiguous()
 
 
@@ -198,6 +212,30 @@ def _tuned() -> bool:
     return _autotune_enabled() and not interpreting()
 
 
+# (kernel, width, row bucket, flags, dtypes, device) -> launch kwargs the autotuner chose.
+_CHOSEN: dict[tuple, dict] = {}
+
+
+def _run_tuned(kind: str, grid, args: tuple, flags: dict, key: tuple) -> None:
+    """Autotune once per key, then launch the plain kernel with the chosen config: the autotuner's
+    per-call bookkeeping costs microseconds that a small memory-bound kernel cannot hide."""
+    kern = _kernels()
+    key = (kind, *key, *flags.values())
+    chosen = _CHOSEN.get(key)
+    if chosen is not None:
+        kern[kind][grid](*args, **flags, **chosen)
+        return
+    tuner = kern[f"{kind}_tuned"]
+    tuner[grid](*args, **flags)
+    best = getattr(tuner, "best_config", None)
+    if best is not None and hasattr(best, "all_kwargs"):
+        _CHOSEN[key] = best.all_kwargs()
+
+
+def _dtype(t: Tensor | None):
+    return None if t is None else t.dtype
+
+
 def _launch_fwd(x: Tensor, residual: Tensor | None, weight, bias, eps: float, compressed: bool, want_rstd: bool):
     _check_device(x)
     n = x.shape[-1]
@@ -209,7 +247,7 @@ def _launch_fwd(x: Tensor, residual: Tensor | None, weight, bias, eps: float, co
     s = torch.empty_like(x2) if r2 is not None else None
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device) if want_rstd else None
     dummy = y
-    block_n = triton.next_power_of_2(n)
+    block_n = _pow2(n)
     kern = _kernels()
     args = (x2, r2 if r2 is not None else dummy, w if w is not None else dummy, b if b is not None else dummy,
             y, s if s is not None else dummy, rstd if rstd is not None else dummy, rows, n, float(eps),
@@ -217,11 +255,11 @@ def _launch_fwd(x: Tensor, residual: Tensor | None, weight, bias, eps: float, co
     flags = dict(HAS_RES=r2 is not None, HAS_W=w is not None, HAS_B=b is not None, COMPRESSED=bool(compressed),
                  STORE_RSTD=want_rstd, BLOCK_N=block_n)
     if _tuned():
-        kern["fwd_tuned"][lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]),)](*args, **flags)
+        _run_tuned("fwd", lambda meta: (_cdiv(rows, meta["BLOCK_M"]),), args, flags,
+                   (n, _bucket(rows), x.dtype, _dtype(w), _dtype(b), x.device.index))
     else:
-        cfg = _fwd_heuristic(rows, block_n, x.dtype, _sms(x))
-        bm = cfg.kwargs["BLOCK_M"]
-        kern["fwd"][(triton.cdiv(rows, bm),)](*args, **flags, BLOCK_M=bm, num_warps=cfg.num_warps)
+        bm, warps = _fwd_heuristic(rows, block_n, x.dtype, _sms(x))
+        kern["fwd"][(_cdiv(rows, bm),)](*args, **flags, BLOCK_M=bm, num_warps=warps)
     out_shape = x.shape
     return (None if s is None else s.view(out_shape)), y.view(out_shape), rstd
 
@@ -258,11 +296,11 @@ def backward(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, compres
     w = _param(weight, n, x, "weight")
     need_dw = need_dw and w is not None
     dx = torch.empty_like(x2)
-    block_n = triton.next_power_of_2(n)
+    block_n = _pow2(n)
     # Enough programs to fill the GPU; each keeps one float32 row of dw/db partials.
     programs = max(1, min(rows, _sms(x) * max(1, min(8, 8192 // block_n))))
-    rows_per_prog = triton.cdiv(rows, programs)
-    programs = triton.cdiv(rows, rows_per_prog)
+    rows_per_prog = _cdiv(rows, programs)
+    programs = _cdiv(rows, rows_per_prog)
     dwp = torch.empty(programs, n, dtype=torch.float32, device=x.device) if need_dw else None
     dbp = torch.empty(programs, n, dtype=torch.float32, device=x.device) if need_db else None
     dummy = dx
@@ -274,7 +312,7 @@ def backward(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, compres
     flags = dict(HAS_W=w is not None, HAS_DS=ds2 is not None, COMPRESSED=bool(compressed), NEED_DW=need_dw,
                  NEED_DB=need_db, BLOCK_N=block_n)
     if _tuned():
-        kern["bwd_tuned"][(programs,)](*args, **flags)
+        _run_tuned("bwd", (programs,), args, flags, (n, _bucket(rows), x.dtype, _dtype(w), x.device.index))
     else:
         kern["bwd"][(programs,)](*args, **flags, num_warps=_bwd_warps(block_n))
     dw = dwp.sum(0) if need_dw else None
