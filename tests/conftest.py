@@ -12,6 +12,11 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Without a GPU the Triton kernels are tested in Triton's interpreter, which has to be chosen
+# before anything imports triton (transformers' model modules do). tests/ops/test_triton_kernels.py
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from helpers import perturb_norms  # noqa: E402,F401  (re-exported for tests)
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 
 def write(rows: list[dict], name: str, out_dir: str | Path, machine: dict, columns: list[str],
-          title: str, plot=None) -> dict[str, Path]:
+          title: str, plot=None, extra: str | None = None) -> dict[str, Path]:
+    """`extra`: more markdown (a summary table, notes) appended after the main table."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"csv": out / f"{name}.csv", "md": out / f"{name}.md", "json": out / f"{name}.machine.json"}
@@ -17,7 +18,7 @@ def write(rows: list[dict], name: str, out_dir: str | Path, machine: dict, colum
         w.writeheader()
         w.writerows(rows)
     paths["json"].write_text(json.dumps(machine, indent=2) + "\n")
-    paths["md"].write_text(markdown(rows, columns, title, machine))
+    paths["md"].write_text(markdown(rows, columns, title, machine) + (f"\n{extra}" if extra else ""))
     if plot is not None:
         try:
             import matplotlib

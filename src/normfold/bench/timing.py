@@ -66,6 +66,22 @@ def measure(candidates: dict[str, Callable[[], object]], *, rounds: int = 30, wa
     return {n: Stats.of(s) for n, s in samples.items()}
 
 
+def cuda_graphed(fn: Callable[[], object], calls: int) -> Callable[[], None]:
+    """A callable that replays `calls` invocations of `fn` captured in one CUDA graph: timing it
+    measures the kernels alone, without Python's per-launch overhead (divide by `calls`)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (autotuning, allocator) outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph.replay
+
+
 def machine_info() -> dict:
     """What the numbers were measured on (goes into every benchmark output)."""
     from ..ops import cpu
@@ -88,6 +104,9 @@ def machine_info() -> dict:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["cuda"] = torch.version.cuda
+        from ..ops import triton_kernels
+
+        info["triton"] = triton_kernels.status()["version"]
     return info
 
 

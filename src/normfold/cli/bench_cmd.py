@@ -15,25 +15,79 @@ suites:
           floor), float32 / bfloat16 / float16 (--quick: float32 and bfloat16, 3 shapes)
   model   end-to-end forward of a model (default: the bundled one) before and after conversion,
           and with a naive F.rms_norm swap for comparison
+  e2e     paper 001 Table 3: ViT (Table 2 sizes) and GPT-3 Small/Medium with random weights, as
+          Pre-LN, Pre-RMSNorm and Pre-CRMSNorm (converted by normfold, same function) and without
+          norms (the floor); time normalized to Pre-LN and the share of the LN-to-no-norm gap
+          captured. CPU: float32 and bfloat16; --device cuda: autocast (amp-bf16)
+  convert conversion time and peak memory of `normfold convert` on the bundled model and a
+          GPT-2-medium-sized random checkpoint
+
+on a GPU (one command each):
+  normfold bench ops --device cuda     Triton kernels vs F.layer_norm / F.rms_norm /
+                                       aten._fused_rms_norm / x.clone(), forward and backward
+  normfold bench e2e --device cuda     adds ViT-L/16 and ViT-H/14
 """
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="run benchmark suites (CSV + markdown + PNG)", description=DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", choices=["ops", "model"], help="which suite")
+    p.add_argument("suite", choices=["ops", "model", "e2e", "convert"], help="which suite")
     p.add_argument("model", nargs="?", metavar="MODEL", help="model for the 'model' suite (default: bundled)")
     p.add_argument("--out", default="benchmarks", metavar="DIR", help="output directory (default: ./benchmarks)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and rounds (a smoke run)")
     p.add_argument("--rounds", type=int, help="timed rounds per candidate (default: 30 ops, 15 model)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--device", default="cpu", help="ops/e2e: cpu or cuda (default: cpu)")
+    p.add_argument("--compile", action="store_true", help="e2e: also time every variant under torch.compile")
+    p.add_argument("--models", type=_csv, metavar="M,..", help="e2e: subset of vit-tiny, vit-small, vit-base, "
+                   "vit-large, vit-huge, gpt3-small, gpt3-medium")
+    p.add_argument("--batches", type=_csv_int, metavar="B,..", help="e2e: ViT batch sizes (default 1,16,64)")
+    p.add_argument("--dtypes", type=_csv, metavar="D,..", help="e2e: float32, bfloat16, float16 (CPU or GPU), "
+                   "amp-bf16, amp-fp16 (GPU autocast)")
+    p.add_argument("--eager", action="store_true", help="ops --device cuda: time eager launches (with Python "
+                   "overhead) instead of CUDA-graph replays")
     p.set_defaults(run=run)
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _csv_int(text: str) -> list[int]:
+    try:
+        return [int(t) for t in _csv(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _run_gpu_or_new_suite(args):
+    """The suites of issue 5's GPU half: ops on CUDA, e2e, convert. None if `args` is not one."""
+    progress = not args.quiet
+    if args.suite == "ops" and args.device != "cpu":
+        from ..bench import ops_gpu
+
+        return ops_gpu.run(args.out, quick=args.quick, rounds=args.rounds, progress=progress, device=args.device,
+                           graphs=not args.eager)
+    if args.suite == "e2e":
+        from ..bench import e2e
+
+        return e2e.run(args.out, device=args.device, quick=args.quick, rounds=args.rounds, compile=args.compile,
+                       progress=progress, models=args.models, batches=args.batches, dtypes=args.dtypes)
+    if args.suite == "convert":
+        from ..bench import convert
+
+        return convert.run(args.out, quick=args.quick, rounds=args.rounds, progress=progress)
+    return None
 
 
 def run(args) -> int:
     from pathlib import Path
 
-    if args.suite == "ops":
+    result = _run_gpu_or_new_suite(args)
+    if result is not None:
+        rows, paths = result
+    elif args.suite == "ops":
         from ..bench import ops
 
         rounds = args.rounds or (10 if args.quick else 30)

@@ -9,6 +9,8 @@ registered backend (see `normfold.ops.registry`) that supports the input:
   than inductor's own code for the norm (docs/kernels-cpu.md);
 - inside `torch.compile`, for a backend without traceable ops: the reference formula, which the
   compiler fuses itself;
+- CUDA tensors: the Triton kernels of `normfold.ops.triton_kernels` when triton is installed
+  (NORMFOLD_TRITON=0 disables them);
 - anything else (float64, devices without a backend): the reference formula.
 
 NORMFOLD_BACKEND=reference forces the reference path everywhere (for debugging and A/B tests);
@@ -22,15 +24,17 @@ import torch
 from torch import Tensor
 
 from ..errors import NormInputError
-from . import cpu, cpu_library, reference, registry
+from . import cpu, cpu_library, reference, registry, triton_kernels
 from .reference import layer_norm
 from .registry import REFERENCE, Backend, backends, register_backend, select, unregister_backend
 
 __all__ = ["layer_norm", "rms_norm", "crms_norm", "add_rms_norm", "add_crms_norm", "backend_for", "prepare",
            "register_backend", "unregister_backend", "backends", "Backend", "reload_environment", "reference"]
 
-# Backends, highest priority first where devices overlap.
+# Backends, highest priority first where devices overlap. triton_kernels only claims CUDA tensors
+# (and imports triton lazily, so CPU-only installs never load it).
 register_backend("cpu-kernel", cpu, priority=0, compiled=cpu_library)
+register_backend("triton", triton_kernels, priority=10)
 
 
 def prepare() -> None:
@@ -123,9 +127,14 @@ def _norm(x: Tensor, weight, bias, eps: float, compressed: bool) -> Tensor:
         return (reference.crms_norm if compressed else reference.rms_norm)(x, weight, bias, eps)
     if compiling:
         return b.compiled.norm(x, weight, bias, eps, compressed)
+    return norm_with(b.impl, x, weight, bias, eps, compressed)
+
+
+def norm_with(impl, x: Tensor, weight, bias, eps: float, compressed: bool) -> Tensor:
+    """Run a backend implementation directly (differentiable), bypassing selection (kernel tests)."""
     if _needs_grad(x, weight, bias):
-        return _NormFunction.apply(x, weight, bias, eps, compressed, b.impl)
-    return b.impl.forward(x, weight, bias, eps, compressed, want_rstd=False)[0]
+        return _NormFunction.apply(x, weight, bias, eps, compressed, impl)
+    return impl.forward(x, weight, bias, eps, compressed, want_rstd=False)[0]
 
 
 def _add_norm(x: Tensor, residual: Tensor, weight, bias, eps: float, compressed: bool) -> tuple[Tensor, Tensor]:
@@ -139,9 +148,14 @@ def _add_norm(x: Tensor, residual: Tensor, weight, bias, eps: float, compressed:
         return s, (reference.crms_norm if compressed else reference.rms_norm)(s, weight, bias, eps)
     if compiling:
         return b.compiled.add_norm(x, residual, weight, bias, eps, compressed)
+    return add_norm_with(b.impl, x, residual, weight, bias, eps, compressed)
+
+
+def add_norm_with(impl, x: Tensor, residual: Tensor, weight, bias, eps: float, compressed: bool):
+    """The fused add + norm of a backend implementation, differentiable, bypassing selection."""
     if _needs_grad(x, residual, weight, bias):
-        return _AddNormFunction.apply(x, residual, weight, bias, eps, compressed, b.impl)
-    s, y, _ = b.impl.add_forward(x, residual, weight, bias, eps, compressed, want_rstd=False)
+        return _AddNormFunction.apply(x, residual, weight, bias, eps, compressed, impl)
+    s, y, _ = impl.add_forward(x, residual, weight, bias, eps, compressed, want_rstd=False)
     return s, y
 
 
