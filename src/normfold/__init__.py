@@ -14,5 +14,6 @@ __version__ = "0.1.0"
 from .errors import NormfoldError  # noqa: E402
 from .convert import convert  # noqa: E402  (the function shadows the submodule name on purpose)
 from .io import load, save  # noqa: E402
+from .analysis import analyze  # noqa: E402
 
-__all__ = ["__version__", "NormfoldError", "convert", "load", "save"]
+__all__ = ["__version__", "NormfoldError", "convert", "load", "save", "analyze"]

@@ -169,7 +169,7 @@ def _aten_name(target) -> str:
     name = getattr(target, "_opname", None)  # OpOverload: aten.add.Tensor -> "add"
     if name:
         return name
-    return getattr(target, "__name__", str(target))
+    return getattr(target, "__name__", str(target)).split(".")[0]
 
 
 # ---- torch.fx front-end ------------------------------------------------------------------------------
@@ -294,7 +294,7 @@ def _fx_call(fn: torch.fx.Node, args: tuple, kwargs: dict) -> tuple[str, tuple, 
     if fn.op == "call_method":
         name = str(fn.target)
     else:
-        name = _FX_FUNCTION_NAMES.get(fn.target) or getattr(fn.target, "__name__", str(fn.target))
+        name = _FX_FUNCTION_NAMES.get(fn.target) or _aten_name(fn.target)
     name = name.rstrip("_") if name.endswith("_") and not name.startswith("_") else name  # add_ -> add
     if name in _CASTS:
         return "_to_copy", args[:1], {}

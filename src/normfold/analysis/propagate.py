@@ -24,7 +24,7 @@ from torch import nn
 
 from .. import algebra
 from .graph import Graph, Node
-from .rules import ABSORBED, Cause, NormRule, NotZeroMean, WriterRule, ZeroMean, not_zero_mean, rule_for
+from .rules import ABSORBED, Cause, Meta, NormRule, NotZeroMean, WriterRule, ZeroMean, not_zero_mean, rule_for
 
 SOURCE_KINDS = ("input", "param", "buffer", "constant", "get_attr")
 
@@ -400,6 +400,8 @@ class Propagation:
                         final = True
                         continue
                     rule = rule_for(user)
+                    if isinstance(rule, Meta):  # reads the shape only
+                        continue
                     if isinstance(rule, WriterRule) and not rule.conv and pos == rule.input_pos and axis == -1:
                         if self._is_linear_reader(user, rule):
                             if user not in readers:

@@ -238,7 +238,7 @@ def _verdict(prop: Propagation, nc: NormCall) -> tuple[bool, str]:
     if len(shape) != 1:
         return False, f"it normalizes over the last {len(shape)} dims {tuple(shape)}; only last-dim LayerNorms fold"
     if isinstance(s, NotZeroMean):
-        return False, "input includes " + "; ".join(c.text for c in s.causes)
+        return False, "input includes " + "; ".join(_cause_texts(s.causes))
     if isinstance(s, ZeroMean):
         if s.axis != -1:
             return False, f"its input is zero-mean along dim {s.axis}, not along the normalized last dim"
@@ -252,6 +252,16 @@ def _verdict(prop: Propagation, nc: NormCall) -> tuple[bool, str]:
     if isinstance(s, Multi):
         return False, "its input is one of several outputs the analysis cannot tell apart"
     return False, "its input is not a tensor the analysis tracks"
+
+
+def _cause_texts(causes) -> list[str]:
+    """One sentence per cause; dropouts in training mode are merged into one."""
+    drops = [c.module for c in causes if c.kind == "dropout"]
+    out = [c.text for c in causes if c.kind != "dropout"][:3]
+    if drops:
+        out.append(f"dropout in training mode in {_short_list(drops, 2)} (random masks break zero mean; analyze "
+                   "the model in eval mode: model.eval())")
+    return out
 
 
 def _affine(weight, bias) -> str:

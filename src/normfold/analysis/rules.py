@@ -35,8 +35,9 @@ class Cause:
     """Why a tensor is not zero-mean: a sentence naming the op and module, and where it arose."""
 
     text: str
-    node: str = ""  # the node whose output is the culprit (used to place an explicit Recenter)
+    node: str = ""  # the node whose output is the culprit
     kind: str = "op"
+    module: str = ""
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class Multi:
 
 
 State = ZeroMean | NotZeroMean | Multi | None
-MAX_CAUSES = 4
+MAX_CAUSES = 6
 
 
 def writers_of(states) -> frozenset[str]:
@@ -278,6 +279,20 @@ def _tensor_getitem(node, axis):
     return axis
 
 
+def _gather(node, axis):
+    """gather(x, dim, index) picking whole rows: dim is not the axis and the index is an expand of a
+    tensor with size 1 along the axis (HF's "select token k" pattern), so it is constant along it."""
+    src, index = node.arg(0), node.arg(2, "index")
+    p = pos_axis(axis, src.rank)
+    if dim_arg(node.arg(1, "dim"), src.rank) == p or not isinstance(index, Node):
+        return None
+    if index.op in ("expand", "expand_as", "broadcast_to") and isinstance(index.arg(0), Node):
+        base = index.arg(0)
+        if base.shape is not None and len(base.shape) == index.rank and base.shape[p] == 1:
+            return axis
+    return None
+
+
 def _unbind_like(node, axis):
     """split/chunk keep the rank; unbind drops the split dim."""
     src = node.arg(0)
@@ -311,7 +326,7 @@ class Dropout(Structural):
             s = ctx.state(node.arg(0))
             return not_zero_mean([Cause(f"dropout in training mode in {ctx.where(node)} (p={node.arg(1)}: its "
                                         "random mask breaks zero mean; analyze the model in eval mode)",
-                                        node.name, "dropout")], [s])
+                                        node.name, "dropout", ctx.where(node))], [s])
         return super().forward(node, ctx)
 
     def shift(self, node, pos, axis):
@@ -519,6 +534,7 @@ register_rule(Structural(_transpose), "transpose", "t", "swapaxes", "numpy_T")
 register_rule(Structural(_select), "select")
 register_rule(Structural(_slice), "slice", "narrow")
 register_rule(Structural(_index), "index")
+register_rule(Structural(_gather), "gather")
 register_rule(Structural(_tensor_getitem), "tensor_getitem")
 register_rule(Dropout(), "dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout")
 register_rule(Sum(), "add", "sub", "rsub")

@@ -5,7 +5,10 @@ adapter, and the names of the model's outputs (as normfold.verify spells them)."
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
 
 import torch
 from torch import nn
@@ -23,7 +26,8 @@ def trace(model: nn.Module, inputs: dict, tracer: str = "auto") -> Graph:
     errors = []
     if tracer in ("auto", "export"):
         try:
-            ep = torch.export.export(model, (), dict(inputs), strict=False)
+            with _quiet_torch_logs():
+                ep = torch.export.export(model, (), dict(inputs), strict=False)
             return from_export(ep, model)
         except Exception as exc:  # export raises many types; all mean "cannot trace"
             errors.append(f"torch.export: {_first_line(exc)}")
@@ -37,6 +41,23 @@ def trace(model: nn.Module, inputs: dict, tracer: str = "auto") -> Graph:
         "The analysis needs a graph of the forward pass: data-dependent Python control flow (if on a "
         "tensor's value) and ops without fake-tensor support prevent tracing. Try other inputs "
         "(normfold.analyze(model, inputs={...})), or describe the model with an adapter (docs/adapters.md).")
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """A failing export prints the partial graph on stderr and logs warnings; the error we raise says
+    what matters, so keep the user's terminal clean."""
+    names = ("torch.fx.experimental.symbolic_shapes", "torch.export", "torch._export", "torch._dynamo")
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _fx(model: nn.Module, inputs: dict) -> Graph:

@@ -11,7 +11,7 @@ import traceback
 from .. import __version__
 from ..errors import NormfoldError
 
-_COMMANDS = ("convert", "verify", "bench")
+_COMMANDS = ("convert", "verify", "bench", "analyze")
 
 DESCRIPTION = """\
 normfold turns LayerNorm Transformers into arithmetically equivalent RMSNorm models.
@@ -28,6 +28,7 @@ examples:
   normfold convert --out ./kjv-rms            convert the bundled default model (a small GPT-2)
   normfold convert ./my-gpt2 --out ./gpt2-rms convert a local Hugging Face model directory
   normfold verify ./my-gpt2 ./gpt2-rms        re-check a saved conversion against its original
+  normfold analyze ./my-bert                  which LayerNorms can be folded, and why the others cannot
 
 exit codes: 0 ok, 1 verification failed, 2 bad input (message on stderr, nothing written),
             3 internal error (a bug: please report it with the traceback), 130 interrupted.
