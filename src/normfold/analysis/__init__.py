@@ -17,6 +17,7 @@ from typing import Callable
 
 from torch import nn
 
+from .graph import Graph
 from .propagate import Options, Propagation
 from .report import AnalysisReport, NormReport, WriterReport, build_report
 from .rules import RULES, register_rule
@@ -28,7 +29,8 @@ def _has_layernorm_like(model: nn.Module) -> bool:
 
 
 def analyze(model: nn.Module, inputs=None, *, center_embeddings: bool = True, recenter: bool = False,
-            tracer: str = "auto", progress: Callable[[str], None] | None = None) -> AnalysisReport:
+            tracer: str = "auto", graph: Graph | None = None,
+            progress: Callable[[str], None] | None = None) -> AnalysisReport:
     """Trace `model` on `inputs` (default: example inputs from its adapter or HF config) and report,
     for every LayerNorm, whether it is foldable and why.
 
@@ -37,6 +39,7 @@ def analyze(model: nn.Module, inputs=None, *, center_embeddings: bool = True, re
     recenter: allow explicit Recenter ops after modules whose output joins the stream but cannot be
         centred by weights (BLOOM's embedding LayerNorm); the conversion is then not stock-reloadable.
     tracer: "auto" (torch.export, then torch.fx for non-HF modules), "export" or "fx".
+    graph: a trace of `model(**inputs)` from `normfold.analysis.trace` to reuse (several option sets).
     """
     say = progress or (lambda msg: None)
     opts = Options(center_embeddings=center_embeddings, recenter=recenter)
@@ -46,16 +49,19 @@ def analyze(model: nn.Module, inputs=None, *, center_embeddings: bool = True, re
         report.seconds["analyze"] = round(time.perf_counter() - t0, 3)
         return report
     inputs = example_inputs(model) if inputs is None else as_kwargs(model, inputs)
-    say(f"tracing {type(model).__name__}")
-    graph = trace(model, inputs, tracer)
+    if graph is None:
+        say(f"tracing {type(model).__name__}")
+        graph = trace(model, inputs, tracer)
     t1 = time.perf_counter()
     say(f"propagating zero mean through {len(graph.nodes)} nodes")
     prop = Propagation(graph, model, opts).run()
-    report = build_report(prop, model, output_names(model, inputs, graph))
+    if graph.output_names is None:
+        graph.output_names = output_names(model, inputs, graph)
+    report = build_report(prop, model, graph.output_names)
     report.inputs = inputs
     report.seconds.update(trace=round(t1 - t0, 3), analyze=round(time.perf_counter() - t1, 3))
     return report
 
 
-__all__ = ["analyze", "AnalysisReport", "NormReport", "WriterReport", "RULES", "register_rule", "trace",
+__all__ = ["analyze", "AnalysisReport", "NormReport", "WriterReport", "Graph", "RULES", "register_rule", "trace",
            "example_inputs"]

@@ -75,6 +75,8 @@ class Graph:
     tracer: str  # "torch.export" or "torch.fx"
     # Module path -> the module object (the traced model's named_modules()).
     modules: dict[str, nn.Module]
+    # normfold.verify's name of each output leaf (filled by analyze on first use).
+    output_names: list | None = None
 
     @property
     def output(self) -> Node:

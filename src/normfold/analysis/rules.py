@@ -280,12 +280,14 @@ def _tensor_getitem(node, axis):
 
 
 def _gather(node, axis):
-    """gather(x, dim, index) picking whole rows: dim is not the axis and the index is an expand of a
-    tensor with size 1 along the axis (HF's "select token k" pattern), so it is constant along it."""
+    """gather(x, dim, index) picking whole rows: dim is not the axis and the index is constant along it
+    (a constant fill, or an expand of a size-1 dim: HF's "select token k" pattern)."""
     src, index = node.arg(0), node.arg(2, "index")
     p = pos_axis(axis, src.rank)
     if dim_arg(node.arg(1, "dim"), src.rank) == p or not isinstance(index, Node):
         return None
+    if index.op in ("full_like", "full", "new_full", "zeros_like", "zeros"):  # one constant index
+        return axis
     if index.op in ("expand", "expand_as", "broadcast_to") and isinstance(index.arg(0), Node):
         base = index.arg(0)
         if base.shape is not None and len(base.shape) == index.rank and base.shape[p] == 1:
@@ -522,7 +524,7 @@ def register_rule(rule: Rule, *ops: str) -> None:
 
 register_rule(Meta(), "_assert_tensor_metadata", "_assert_scalar", "sym_size", "sym_numel", "sym_stride", "size",
               "dim", "numel", "getattr", "_assert_async", "sym_constrain_range_for_size", "empty_like", "zeros_like",
-              "ones_like", "new_ones", "new_zeros", "new_empty")
+              "ones_like", "full_like", "rand_like", "randn_like", "new_ones", "new_zeros", "new_empty", "new_full")
 register_rule(Structural(_same), "alias", "clone", "contiguous", "detach", "lift_fresh_copy", "_to_copy", "to",
               "identity")
 register_rule(Structural(_same, meta_args=(1, "other")), "type_as")
