@@ -92,7 +92,7 @@ class AnalysisReport:
 
         rows = []
         for n in self.norms:
-            readers = _short_list(n.readers, 2) if n.readers else "-"
+            readers = _short_list([_relative(r, n.name) for r in n.readers], 1) if n.readers else "-"
             if n.final:
                 readers += " (final)"
             rows.append([n.name, "yes" if n.foldable else "no", readers, _clip(_short_reason(n), width)])
@@ -292,6 +292,17 @@ def _short_reason(n: NormReport) -> str:
             why += f"; affine stays in the norm ({n.affine_note})"
         return why
     return n.reason
+
+
+def _relative(path: str, to: str) -> str:
+    """`path` without the module prefix it shares with `to` (h.0.attn.c_attn next to h.0.ln_1)."""
+    a, b = path.split("."), to.split(".")[:-1]
+    k = 0
+    while k < min(len(a) - 1, len(b)) and a[k] == b[k]:
+        k += 1
+    while k > 0 and a[k].isdigit():  # "layer.1.attention...", not "1.attention..."
+        k -= 1
+    return ".".join(a[k:])
 
 
 def _clip(text: str, width: int) -> str:
