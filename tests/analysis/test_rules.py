@@ -272,3 +272,26 @@ def test_a_graph_can_be_reused_for_several_option_sets():
     b = analyze(model, IDS, graph=graph, center_embeddings=False)
     assert len(a.foldable) == 5 and len(b.foldable) == 0
     assert copy.deepcopy(a.to_plan()) == a.to_plan()
+
+
+class ReturnsStream(PreLN):
+    """Also returns the residual stream itself: after centring it comes back recentred."""
+
+    def forward(self, ids):
+        x = self.tok(ids) + self.pos[: ids.shape[1]]
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x)), x
+
+
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_stream_outputs_are_named_and_declared_centred(tracer):
+    model = build(ReturnsStream)
+    report = analyze(model, IDS, tracer=tracer)
+    assert report.stream_outputs == ["output[1]"]
+    assert report.to_plan().centered_outputs == ["output[[]1[]]"]
+    conv, crep = normfold.convert(model, adapter=report.to_adapter())
+    assert crep.verification["passed"], crep.verification["fp64"]
+    (logits, x), (logits2, x2) = _outputs(model, IDS), _outputs(conv, IDS)
+    assert rel_err(logits2, logits) <= 1e-9
+    assert rel_err(x2, x - x.mean(-1, keepdim=True)) <= 1e-9

@@ -56,7 +56,7 @@ def analyze(model: nn.Module, inputs=None, *, center_embeddings: bool = True, re
     say(f"propagating zero mean through {len(graph.nodes)} nodes")
     prop = Propagation(graph, model, opts).run()
     if graph.output_names is None:
-        graph.output_names = output_names(model, inputs, graph)
+        graph.output_names = output_names(graph)
     report = build_report(prop, model, graph.output_names)
     report.inputs = inputs
     report.seconds.update(trace=round(t1 - t0, 3), analyze=round(time.perf_counter() - t1, 3))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -77,6 +77,9 @@ class Graph:
     modules: dict[str, nn.Module]
     # normfold.verify's name of each output leaf (filled by analyze on first use).
     output_names: list | None = None
+    # Rebuilds the model's output structure from a list of its user-output leaves (to name them).
+    unflatten: Callable[[list], Any] | None = None
+    n_user_outputs: int = 0
 
     @property
     def output(self) -> Node:
@@ -162,7 +165,14 @@ def from_export(ep, model: nn.Module) -> Graph:
                         module=module, module_type=module_type, shape=shape)
         nodes[fn.name] = node
         out.append(node)
-    return Graph(out, "torch.export", dict(model.named_modules(remove_duplicate=False))).finish()
+    spec = ep.call_spec.out_spec
+    graph = Graph(out, "torch.export", dict(model.named_modules(remove_duplicate=False)),
+                  n_user_outputs=len(ep.graph_signature.user_outputs))
+    if spec is not None:
+        from torch.utils import _pytree as pytree
+
+        graph.unflatten = lambda leaves: pytree.tree_unflatten(leaves, spec)
+    return graph.finish()
 
 
 def _aten_name(target) -> str:
@@ -242,7 +252,8 @@ def from_fx(gm: torch.fx.GraphModule, model: nn.Module) -> Graph:
         if fn.op == "placeholder":
             node = Node(fn.name, "input", target=fn.name, shape=shape)
         elif fn.op == "output":
-            node = Node(fn.name, "output", args=(_flatten_output(conv(fn.args[0])),))
+            structure = conv(fn.args[0])
+            node = Node(fn.name, "output", args=(_flatten_output(structure),))
         elif fn.op == "get_attr":
             obj = _getattr_path(gm, fn.target)
             if isinstance(obj, nn.Parameter):
@@ -269,7 +280,21 @@ def from_fx(gm: torch.fx.GraphModule, model: nn.Module) -> Graph:
     # Parameter nodes were appended where first used; keep them ahead of their users.
     out.sort(key=lambda n: (0 if n.op in ("param", "input", "buffer") else 1))
     out = [n for n in out if n.op != "output"] + [n for n in out if n.op == "output"]
-    return Graph(out, "torch.fx", dict(model.named_modules(remove_duplicate=False))).finish()
+    leaves = out[-1].args[0]
+    graph = Graph(out, "torch.fx", dict(model.named_modules(remove_duplicate=False)), n_user_outputs=len(leaves))
+    graph.unflatten = lambda values: _rebuild(structure, dict(zip(map(id, leaves), values)))
+    return graph.finish()
+
+
+def _rebuild(a, values: dict):
+    """The fx output structure with each Node replaced by its value."""
+    if isinstance(a, Node):
+        return values[id(a)]
+    if isinstance(a, (list, tuple)):
+        return type(a)(_rebuild(x, values) for x in a)
+    if isinstance(a, dict):
+        return {k: _rebuild(v, values) for k, v in a.items()}
+    return a
 
 
 def _getattr_path(obj, path: str):

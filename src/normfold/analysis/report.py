@@ -188,10 +188,14 @@ def build_report(prop: Propagation, model: nn.Module, output_names: list[str | N
 
 
 def prop_order(prop: Propagation, key: str) -> int:
-    for call in prop.calls.values():
-        if call.key == key:
-            return call.node.index
-    return 1 << 30
+    """Graph position of a writer's first call (writers are listed in the order the model runs them)."""
+    order = getattr(prop, "_writer_order", None)
+    if order is None:
+        order = {}
+        for call in prop.calls.values():
+            order.setdefault(call.key, call.node.index)
+        prop._writer_order = order
+    return order.get(key, 1 << 30)
 
 
 def _norm_report(prop: Propagation, name: str, calls: list[NormCall]) -> NormReport:

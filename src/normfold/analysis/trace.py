@@ -172,19 +172,23 @@ def as_kwargs(model: nn.Module, inputs) -> dict:
 
 # ---- output names ---------------------------------------------------------------------------------------
 
-def output_names(model: nn.Module, inputs: dict, graph: Graph) -> list[str | None]:
-    """normfold.verify's name ('logits', 'hidden_states[3]', 'output') for each graph output leaf."""
-    from torch.utils import _pytree as pytree
-
+def output_names(graph: Graph) -> list[str | None]:
+    """normfold.verify's name ('logits', 'hidden_states[3]', 'output') of each graph output leaf, found
+    by rebuilding the output structure around marker tensors (no forward pass needed)."""
     from ..verify import flatten_outputs
 
+    leaves = graph.output.args[0]
+    n_user = graph.n_user_outputs or len(leaves)
+    names: list[str | None] = [None] * len(leaves)
+    if graph.unflatten is None:
+        return names
+    markers = [torch.zeros(()) for _ in range(n_user)]
     try:
-        with torch.no_grad():
-            out = model(**inputs)
-    except Exception:  # names are a nicety; the trace already ran
-        return [None] * len(graph.output.args[0])
-    leaves = pytree.tree_leaves(out)
-    by_id = {id(t): name for name, t in flatten_outputs(out).items()}
-    names = [by_id.get(id(leaf)) for leaf in leaves if isinstance(leaf, torch.Tensor)]
-    n = len(graph.output.args[0])
-    return names if len(names) == n else [None] * n
+        flat = flatten_outputs(graph.unflatten(markers))
+    except Exception:  # names are a nicety (centred-output patterns); never fail the analysis on them
+        return names
+    by_id = {id(t): name for name, t in flat.items()}
+    offset = len(leaves) - n_user  # export lists buffer mutations before the user outputs
+    for i, m in enumerate(markers):
+        names[offset + i] = by_id.get(id(m))
+    return names
