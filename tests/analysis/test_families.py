@@ -243,3 +243,13 @@ def test_papers_algorithm1_reproduces_its_counts_and_its_plan_is_wrong(monkeypat
     assert len(plain.foldable) == paper_plain(row.layers) and len(centred.foldable) == paper_centred(row.layers)
     conv, crep = normfold.convert(model, adapter=centred.to_adapter())
     assert crep.verification["fp64"]["max_rel_error"] > 0.1 and not crep.verification["passed"]
+
+
+def test_opt_350m_style_post_ln_folds_nothing():
+    report = run("opt-post", hf("OPTConfig", "OPTForCausalLM", vocab_size=50, hidden_size=16, num_hidden_layers=2,
+                                num_attention_heads=2, ffn_dim=32, max_position_embeddings=32, word_embed_proj_dim=8,
+                                do_layer_norm_before=False))
+    assert report.total == 4 and not report.foldable
+    first = report.norm("model.decoder.layers.0.self_attn_layer_norm").reason
+    assert "model.decoder.project_in (linear), which cannot be centred: its output also reaches linear in " \
+           "model.decoder.layers.0.self_attn.q_proj" in first
