@@ -339,21 +339,31 @@ class Propagation:
 
     def _maybe_recenter(self, node: Node, state: NotZeroMean):
         """With recenter=True: a module output that is not zero-mean but only flows into norms/outputs
-        may get an explicit Recenter (x - mean(x)) after its module."""
+        may get an explicit Recenter (x - mean(x)) after its module (a forward hook, so every call of the
+        module is recentred: it must be called once)."""
         module = node.module
-        obj = self.modules.get(module)
-        if not module or not _returns_one_tensor(obj) or node.rank is None:
+        if not module or node.rank is None or not _returns_one_tensor(self.modules.get(module)):
             return state
-        if any(u.op != "output" and (u.module == module or u.module.startswith(module + ".")) for u in node.users):
-            return state  # not the module's output
+        outputs = self._module_outputs().get(module, [])
+        if outputs != [node]:
+            return state  # not the module's (single) output
         if module not in self.recenters:
             res = self.shift_of(node, -1)
             self.recenter_outputs[module] = res.outputs
-            self.recenters[module] = None if res.ok else f"its output also reaches {res.culprit.op} in " \
-                                                         f"{self.where(res.culprit)}"
+            self.recenters[module] = None if res.ok else \
+                f"its output also reaches {res.culprit.op} in {self.where(res.culprit)}"
         if self.recenters[module] is not None:
             return state
         return ZeroMean(-1, frozenset(), frozenset({module}))
+
+    def _module_outputs(self) -> dict[str, list[Node]]:
+        """Per module path, the nodes computed inside it whose value is used outside it (its outputs)."""
+        if not hasattr(self, "_outs"):
+            self._outs: dict[str, list[Node]] = {}
+            for n in self.graph.nodes:
+                if n.module and any(u.op == "output" or not _inside(u.module, n.module) for u in n.users):
+                    self._outs.setdefault(n.module, []).append(n)
+        return self._outs
 
     # ---- pass 3: norms --------------------------------------------------------------------------------------
     def judge_norms(self) -> None:
@@ -438,6 +448,10 @@ def _aliases(model: nn.Module) -> dict[int, list[str]]:
     for name, p in model.named_parameters(remove_duplicate=False):
         out.setdefault(id(p), []).append(name)
     return out
+
+
+def _inside(path: str, module: str) -> bool:
+    return path == module or path.startswith(module + ".")
 
 
 def _returns_one_tensor(module) -> bool:
