@@ -88,7 +88,8 @@ def test_post_ln_bert_only_the_embedding_norm_folds():
     previous = "embeddings.LayerNorm"
     for i in range(BERT["num_hidden_layers"]):
         for name in (f"encoder.layer.{i}.attention.output.LayerNorm", f"encoder.layer.{i}.output.LayerNorm"):
-            assert report.norm(name).reason == f"input includes the affine output of {previous} (γ⊙n+β is not zero-mean)"
+            want = f"input includes the affine output of {previous} (γ⊙n+β is not zero-mean)"
+            assert report.norm(name).reason == want
             previous = name
 
 

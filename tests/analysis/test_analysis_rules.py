@@ -54,7 +54,8 @@ def test_pre_ln_model_without_adapter_is_fully_foldable(tracer):
     assert sorted(blk.writers) == ["pos", "tok"]
     assert report.norm("blocks.1.ln_2").writers and "blocks.0.proj" in report.norm("blocks.1.ln_2").writers
     assert report.norm("ln_f").readers == ["head"]
-    assert {w.name for w in report.writers} == {"tok", "pos", "blocks.0.o", "blocks.0.proj", "blocks.1.o", "blocks.1.proj"}
+    assert {w.name for w in report.writers} == {"tok", "pos", "blocks.0.o", "blocks.0.proj", "blocks.1.o",
+                                                "blocks.1.proj"}
 
 
 def test_both_tracers_agree_on_every_verdict_reader_and_writer():

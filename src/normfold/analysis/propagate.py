@@ -116,7 +116,7 @@ class Propagation:
 
     def cause_of(self, node: Node) -> Cause:
         src = next((s for _, s in node.inputs() if s.op not in SOURCE_KINDS), None)
-        if src is not None and src.module and src.module != node.module and not node.module.startswith(src.module + "."):
+        if src is not None and src.module and not _inside(node.module, src.module):
             return Cause(f"the output of {node.op} after {src.module} (not zero-mean)", node.name)
         return Cause(f"the output of {node.op} in {self.where(node)} (not zero-mean)", node.name)
 
@@ -141,7 +141,7 @@ class Propagation:
         axis = rule.out_axis(node) if node.rank else -1
         edges = frozenset((node.name, p) for p in (rule.weight_pos, rule.bias_pos) if p is not None)
         base = dict(node=node, axis=axis, op=node.op, module=node.module, own_edges=edges)
-        if not (isinstance(w, Node) and w.op == "param") or (b is not None and not (isinstance(b, Node) and b.op == "param")):
+        if not _is_param(w) or (b is not None and not _is_param(b)):
             return WriterCall(key=f"{node.module}:{node.name}", paths=(), **base,
                               problem="its weights are computed, not parameters")
         if rule.groups_pos is not None and (node.arg(rule.groups_pos, "groups", 1) or 1) != 1:
@@ -448,6 +448,10 @@ def _aliases(model: nn.Module) -> dict[int, list[str]]:
     for name, p in model.named_parameters(remove_duplicate=False):
         out.setdefault(id(p), []).append(name)
     return out
+
+
+def _is_param(x) -> bool:
+    return isinstance(x, Node) and x.op == "param"
 
 
 def _inside(path: str, module: str) -> bool:

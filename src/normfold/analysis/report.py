@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from torch import nn
 
@@ -77,7 +77,7 @@ class AnalysisReport:
 
     # ---- serialization -------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = asdict(replace(self, inputs=None))
         d.pop("inputs")
         from .. import __version__
 

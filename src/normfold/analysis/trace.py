@@ -165,7 +165,8 @@ def as_kwargs(model: nn.Module, inputs) -> dict:
         names = [n for n, p in _forward_params(model).items()
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         if len(inputs) > len(names):
-            raise NormfoldError(f"{type(model).__name__}.forward takes {len(names)} positional inputs, got {len(inputs)}")
+            raise NormfoldError(f"{type(model).__name__}.forward takes {len(names)} positional inputs, "
+                                f"got {len(inputs)}")
         return dict(zip(names, inputs))
     raise NormfoldError(f"inputs must be a dict of forward() keyword arguments or tensors, not {type(inputs).__name__}")
 
