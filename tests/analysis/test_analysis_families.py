@@ -254,3 +254,43 @@ def test_opt_350m_style_post_ln_folds_nothing():
     first = report.norm("model.decoder.layers.0.self_attn_layer_norm").reason
     assert "model.decoder.project_in (linear), which cannot be centred: its output also reaches linear in " \
            "model.decoder.layers.0.self_attn.q_proj" in first
+
+
+# ---- more families, no adapter needed: each exercises a different mechanism -----------------------------
+
+MORE = {
+    # local attention windows
+    "gpt_neo": ((5, 5), hf("GPTNeoConfig", "GPTNeoForCausalLM", vocab_size=50, hidden_size=16, num_layers=2, num_heads=2,
+                           attention_types=[[["global", "local"], 1]], max_position_embeddings=32, window_size=4)),
+    # parallel attention + MLP reading one norm
+    "gptj": ((3, 3), hf("GPTJConfig", "GPTJForCausalLM", vocab_size=50, n_embd=16, n_layer=2, n_head=2, rotary_dim=4,
+                        n_positions=32)),
+    # x @ W.T written by hand (FalconLinear), in-place residual adds
+    "falcon": ((5, 5), hf("FalconConfig", "FalconForCausalLM", vocab_size=50, hidden_size=16, num_hidden_layers=2,
+                          num_attention_heads=2, new_decoder_architecture=True, num_kv_heads=2)),
+    # Post-LN encoder-decoder, dead code reading the embeddings (`inputs_embeds[:, :, -1]`)
+    "bart": ((2, 7), hf("BartConfig", "BartModel", vocab_size=50, d_model=16, encoder_layers=1, decoder_layers=1,
+                        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                        max_position_embeddings=32)),
+    # pre_layrnorm on the stream: 1 fold with weights only, all with one Recenter
+    "clip_vision": ((1, 6), hf("CLIPVisionConfig", "CLIPVisionModel", hidden_size=16, intermediate_size=32,
+                               num_hidden_layers=2, num_attention_heads=2, image_size=16, patch_size=8)),
+    "clip_vision+recenter": ((6, 6), None),
+}
+
+
+@pytest.mark.parametrize("name", list(MORE))
+def test_more_families_convert_exactly(name):
+    (foldable, total), build = MORE[name]
+    family, _, recenter = name.partition("+")
+    model, inputs, graph = traced(family, build or MORE[family][1])
+    report = analyze(model, inputs, graph=graph, recenter=bool(recenter))
+    assert (len(report.foldable), report.total) == (foldable, total)
+    conv, crep = normfold.convert(model, adapter=report.to_adapter(), verify=False)
+    run_inputs = {k: v for k, v in inputs.items() if k not in ("use_cache", "output_hidden_states")}
+    ref, got = run_flat(model, run_inputs), run_flat(conv, run_inputs)
+    for out in ref:
+        a, b = got[out].double(), ref[out].double()
+        if _centred(out, crep.centered_outputs):
+            a, b = a - a.mean(-1, keepdim=True), b - b.mean(-1, keepdim=True)
+        assert rel_err(a, b) <= 1e-9, (out, rel_err(a, b))

@@ -91,6 +91,14 @@ class Graph:
             for _, src in n.inputs():
                 if n not in src.users:  # identity comparison (eq=False)
                     src.users.append(n)
+        # Dead code (e.g. `shape = inputs_embeds[:, :, -1]` never used) cannot see anything: drop it
+        # from the users lists so it neither blocks a writer nor counts as a norm's consumer.
+        live = {id(self.output)}
+        for n in reversed(self.nodes):
+            if id(n) in live:
+                live.update(id(src) for _, src in n.inputs())
+        for n in self.nodes:
+            n.users = [u for u in n.users if id(u) in live]
         return self
 
 
@@ -175,12 +183,16 @@ def from_export(ep, model: nn.Module) -> Graph:
     return graph.finish()
 
 
+# In-place arithmetic as the value it produces (the tracer routes later reads to the in-place node).
+_INPLACE = {"add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div", "neg_": "neg"}
+
+
 def _aten_name(target) -> str:
     if target is operator.getitem:
         return "getitem"
     name = getattr(target, "_opname", None)  # OpOverload: aten.add.Tensor -> "add"
     if name:
-        return name
+        return _INPLACE.get(name, name)
     return getattr(target, "__name__", str(target)).split(".")[0]
 
 
@@ -322,7 +334,7 @@ def _fx_call(fn: torch.fx.Node, args: tuple, kwargs: dict) -> tuple[str, tuple, 
         name = str(fn.target)
     else:
         name = _FX_FUNCTION_NAMES.get(fn.target) or _aten_name(fn.target)
-    name = name.rstrip("_") if name.endswith("_") and not name.startswith("_") else name  # add_ -> add
+    name = _INPLACE.get(name, name)
     if name in _CASTS:
         return "_to_copy", args[:1], {}
     if name == "getitem" and args and isinstance(args[0], Node) and args[0].shape is not None:

@@ -137,10 +137,13 @@ class Propagation:
             self.writers[key] = self._judge(key, calls)
 
     def _writer_call(self, node: Node, rule: WriterRule) -> WriterCall:
-        w, b = node.arg(rule.weight_pos), node.arg(rule.bias_pos) if rule.bias_pos is not None else None
+        w, out_dim, via = rule.weight(node)
+        b = node.arg(rule.bias_pos) if rule.bias_pos is not None else None
         axis = rule.out_axis(node) if node.rank else -1
-        edges = frozenset((node.name, p) for p in (rule.weight_pos, rule.bias_pos) if p is not None)
-        base = dict(node=node, axis=axis, op=node.op, module=node.module, own_edges=edges)
+        edges = {(node.name, p) for p in (rule.weight_pos, rule.bias_pos) if p is not None}
+        if via is not None:
+            edges.add((via.name, 0))
+        base = dict(node=node, axis=axis, op=node.op, module=node.module, own_edges=frozenset(edges))
         if not _is_param(w) or (b is not None and not _is_param(b)):
             return WriterCall(key=f"{node.module}:{node.name}", paths=(), **base,
                               problem="its weights are computed, not parameters")
@@ -152,12 +155,12 @@ class Propagation:
             return WriterCall(key=node.module or node.name, paths=(), **base, problem="it is a transposed convolution")
         module = self.modules.get(node.module)
         lay = algebra.layout_of(module) if module is not None else None
-        if (lay is not None and lay.out_dim == rule.weight_out_dim and getattr(module, lay.weight, None) is w.value
+        if (lay is not None and lay.out_dim == out_dim and getattr(module, lay.weight, None) is w.value
                 and (b is None or (lay.bias and getattr(module, lay.bias, None) is b.value))):
             return WriterCall(key=node.module, paths=(node.module,), **base)
         # Functional use of parameters: a parameter can be centred on its own over its last dim,
         # which is the output dim for x @ W (in, out), addmm and embedding tables.
-        if w.value is not None and rule.weight_out_dim == w.value.dim() - 1:
+        if w.value is not None and out_dim == w.value.dim() - 1:
             paths = tuple(self._alias_for(p, node.module) for p in (w, b) if p is not None)
             return WriterCall(key=paths[0], paths=paths, **base)
         return WriterCall(key=f"{node.module}:{node.name}", paths=(), **base,
@@ -221,9 +224,13 @@ class Propagation:
         holds its own name for the parameter (tied weights: the converter unties them)."""
         own = frozenset().union(*(c.own_edges for c in calls))
         tied: list[str] = []
-        params = [n for c in calls for n in ([c.node] if c.op == "parameter" else
-                                            [c.node.arg(p) for p in (rule_for(c.node).weight_pos,
-                                                                     rule_for(c.node).bias_pos) if p is not None])]
+        params = []
+        for c in calls:
+            if c.op == "parameter":
+                params.append(c.node)
+            else:
+                rule = rule_for(c.node)
+                params += [rule.weight(c.node)[0]] + ([c.node.arg(rule.bias_pos)] if rule.bias_pos is not None else [])
         seen = set()
         for pnode in params:
             if not isinstance(pnode, Node) or pnode.name in seen:
@@ -432,9 +439,8 @@ class Propagation:
         if module is None or not algebra.is_linear_reader(module):
             return False
         lay = algebra.layout_of(module)
-        w = node.arg(rule.weight_pos)
-        return isinstance(w, Node) and getattr(module, lay.weight, None) is w.value and \
-            lay.out_dim == rule.weight_out_dim
+        w, out_dim, _ = rule.weight(node)
+        return w is not None and getattr(module, lay.weight, None) is w.value and lay.out_dim == out_dim
 
     def run(self) -> "Propagation":
         self.find_writers()

@@ -483,9 +483,19 @@ class WriterRule(Rule):
     doc = "output is zero-mean once its weights are centred (allowed if nothing but norms sees the change)"
 
     def __init__(self, input_pos: int, weight_pos: int, bias_pos: int | None = None, weight_out_dim: int = 0,
-                 conv: bool = False, groups_pos: int | None = None):
+                 conv: bool = False, groups_pos: int | None = None, transposable: bool = False):
         self.input_pos, self.weight_pos, self.bias_pos = input_pos, weight_pos, bias_pos
         self.weight_out_dim, self.conv, self.groups_pos = weight_out_dim, conv, groups_pos
+        self.transposable = transposable
+
+    def weight(self, node: Node) -> tuple[Node | None, int, Node | None]:
+        """(the weight's parameter node, its output dim, the transpose node in between if any). For
+        mm/matmul the right side may be W.T of a 2-D parameter (x @ self.weight.T, as Falcon writes it)."""
+        w = node.arg(self.weight_pos)
+        if self.transposable and isinstance(w, Node) and w.op in ("t", "transpose", "numpy_T") and \
+                len(w.users) == 1 and isinstance(w.arg(0), Node) and w.arg(0).op == "param" and w.rank == 2:
+            return w.arg(0), 1 - self.weight_out_dim, w
+        return (w if isinstance(w, Node) and w.op == "param" else None), self.weight_out_dim, None
 
     def out_axis(self, node: Node) -> int:
         if not self.conv:
@@ -549,7 +559,7 @@ register_rule(Split(), "split", "split_with_sizes", "chunk", "unbind", "tensor_s
 register_rule(GetItem(), "getitem")
 register_rule(WriterRule(input_pos=0, weight_pos=1, bias_pos=2, weight_out_dim=0), "linear")
 register_rule(WriterRule(input_pos=1, weight_pos=2, bias_pos=0, weight_out_dim=1), "addmm")
-register_rule(WriterRule(input_pos=0, weight_pos=1, weight_out_dim=1), "mm", "matmul")
+register_rule(WriterRule(input_pos=0, weight_pos=1, weight_out_dim=1, transposable=True), "mm", "matmul")
 register_rule(WriterRule(input_pos=1, weight_pos=0, weight_out_dim=1), "embedding")
 for _k in (1, 2, 3):
     register_rule(WriterRule(input_pos=0, weight_pos=1, bias_pos=2, weight_out_dim=0, conv=True, groups_pos=6),
@@ -565,8 +575,6 @@ MATMUL_MIX = RowMix(1)
 def rule_for(node: Node) -> Rule:
     rule = RULES.get(node.op, DEFAULT_RULE)
     # matmul/mm with a non-parameter right side mixes rows (attention probs @ V); with a weight it writes.
-    if isinstance(rule, WriterRule) and node.op in ("mm", "matmul"):
-        w = node.arg(1)
-        if not (isinstance(w, Node) and w.op == "param"):
-            return MATMUL_MIX
+    if isinstance(rule, WriterRule) and node.op in ("mm", "matmul") and rule.weight(node)[0] is None:
+        return MATMUL_MIX
     return rule
