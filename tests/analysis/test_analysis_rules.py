@@ -296,3 +296,49 @@ def test_stream_outputs_are_named_and_declared_centred(tracer):
     (logits, x), (logits2, x2) = _outputs(model, IDS), _outputs(conv, IDS)
     assert rel_err(logits2, logits) <= 1e-9
     assert rel_err(x2, x - x.mean(-1, keepdim=True)) <= 1e-9
+
+
+class SharedBlock(PreLN):
+    """One block applied twice (ALBERT / universal-transformer style weight sharing)."""
+
+    def forward(self, ids):
+        x = self.tok(ids) + self.pos[: ids.shape[1]]
+        for _ in range(2):
+            x = self.blocks[0](x)
+        return self.head(self.ln_f(x))
+
+
+def test_a_block_called_twice_folds_once_and_converts_exactly():
+    model = build(SharedBlock, layers=1)
+    report = analyze(model, IDS)
+    ln_1 = report.norm("blocks.0.ln_1")
+    assert ln_1.foldable and ln_1.calls == 2 and ln_1.affine_foldable
+    assert report.total == 3 and len(report.foldable) == 3
+    conv, crep = normfold.convert(model, adapter=report.to_adapter())
+    assert rel_err(_outputs(conv, IDS), _outputs(model, IDS)) <= 1e-9
+
+
+class SharedReader(nn.Module):
+    """One linear reads two different norms: neither affine can be folded into it."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, d), nn.Linear(5, d)
+        self.ln_a, self.ln_b = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.proj = nn.Linear(d, 3)
+
+    def forward(self, x):
+        return self.proj(self.ln_a(self.a(x))) + self.proj(self.ln_b(self.b(x)))
+
+
+def test_a_reader_shared_by_two_norms_keeps_the_affines():
+    model = build(SharedReader)
+    x = torch.randn(2, 4, 5, dtype=torch.float64)
+    report = analyze(model, x)
+    for name in ("ln_a", "ln_b"):
+        n = report.norm(name)
+        assert n.foldable and n.readers == ["proj"] and not n.affine_foldable
+        assert n.affine_note == "its reader proj is also called on other inputs"
+    conv, crep = normfold.convert(model, adapter=report.to_adapter(), inputs={"x": x})
+    assert conv.ln_a.weight is not None  # γ stayed in the RMSNorm
+    assert rel_err(conv(x), model(x)) <= 1e-9

@@ -431,7 +431,7 @@ class Propagation:
                         if isinstance(nxt, int) and not isinstance(nxt, bool):
                             todo.append((user, nxt))
                             continue
-                    problem = problem or f"{user.op} in {self.where(user)}"
+                    problem = problem or f"its output also feeds {user.op} in {self.where(user)}"
         return readers, problem, final
 
     def _is_linear_reader(self, node: Node, rule: WriterRule) -> bool:

@@ -22,7 +22,8 @@ class NormReport:
     name: str
     foldable: bool
     reason: str
-    writers: list[str] = field(default_factory=list)  # writers its input depends on (centred when folding)
+    # Centrable writers its input depends on (all of them when foldable: the converter centres these).
+    writers: list[str] = field(default_factory=list)
     readers: list[str] = field(default_factory=list)  # linear modules reading its output
     affine_foldable: bool = False  # γ/β can move into the readers (every consumer is one of them)
     affine_note: str | None = None  # why not, naming the other consumer
@@ -218,17 +219,15 @@ def _norm_report(prop: Propagation, name: str, calls: list[NormCall]) -> NormRep
         if isinstance(s, ZeroMean):
             recenter += [r for r in sorted(s.recenters) if r not in recenter]
     readers = list(dict.fromkeys(r for nc in calls for r in nc.readers))
-    problem = next((nc.reader_problem for nc in calls if nc.reader_problem), None)
-    if not readers and problem is None and not any(nc.final for nc in calls):
-        problem = "its output is not read by any linear module"
     final = any(nc.final for nc in calls)
+    problem = next((nc.reader_problem for nc in calls if nc.reader_problem), None)
+    if not readers and problem is None and not final:
+        problem = "its output is not read by any linear module"
     if not is_module and foldable:
         reason += "; it is a functional F.layer_norm call, which the converter cannot swap"
     return NormReport(
-        name=name, foldable=foldable, reason=reason, writers=writers if foldable or writers else [],
-        readers=readers, affine_foldable=bool(readers) and problem is None,
-        affine_note=None if (bool(readers) and problem is None) else
-        (f"output also feeds {problem}" if problem and not problem.startswith("its") else problem),
+        name=name, foldable=foldable, reason=reason, writers=writers,
+        readers=readers, affine_foldable=bool(readers) and problem is None, affine_note=problem,
         final=final, recenter=recenter if foldable else [], module=is_module, calls=len(calls),
         eps=getattr(module, "eps", None) if is_module else node.arg(4, "eps", 1e-5),
         normalized_shape=shape,
