@@ -97,7 +97,16 @@ def test_fresh_bert_with_unit_gamma_and_zero_beta_is_foldable():
     """The analysis reads the actual γ/β: at initialization (γ = 1, β = 0) Post-LN outputs ARE zero-mean."""
     build = hf("BertConfig", "BertModel", **BERT)
     model = build(perturb=False)
-    assert len(analyze(model).foldable) == 5
+    graph = trace(model, example_inputs(model))
+    report = analyze(model, graph=graph)
+    assert len(report.foldable) == 5
+    n = report.norm("encoder.layer.1.output.LayerNorm")
+    assert n.assumes == ["encoder.layer.1.attention.output.LayerNorm"] and "current values" in n.reason
+    assert any("exact for these weights only" in note for note in report.to_plan().notes)
+    # structural: value-independent verdicts (what a training-time reparametrization needs)
+    structural = analyze(model, graph=graph, structural=True)
+    assert [n.name for n in structural.foldable] == ["embeddings.LayerNorm"]
+    assert "not for every value" in structural.norm("encoder.layer.0.attention.output.LayerNorm").reason
     with torch.no_grad():
         model.embeddings.LayerNorm.bias[0] = 0.5
     report = analyze(model)

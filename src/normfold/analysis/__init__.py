@@ -29,7 +29,7 @@ def _has_layernorm_like(model: nn.Module) -> bool:
 
 
 def analyze(model: nn.Module, inputs=None, *, center_embeddings: bool = True, recenter: bool = False,
-            tracer: str = "auto", graph: Graph | None = None,
+            structural: bool = False, tracer: str = "auto", graph: Graph | None = None,
             progress: Callable[[str], None] | None = None) -> AnalysisReport:
     """Trace `model` on `inputs` (default: example inputs from its adapter or HF config) and report,
     for every LayerNorm, whether it is foldable and why.
@@ -38,11 +38,13 @@ def analyze(model: nn.Module, inputs=None, *, center_embeddings: bool = True, re
         plain "Foldable" column of paper 002's Table 7).
     recenter: allow explicit Recenter ops after modules whose output joins the stream but cannot be
         centred by weights (BLOOM's embedding LayerNorm); the conversion is then not stock-reloadable.
+    structural: a LayerNorm output counts as zero-mean only without affine, never because its γ is
+        constant and β zero right now (verdicts that hold for any weights, e.g. for training).
     tracer: "auto" (torch.export, then torch.fx for non-HF modules), "export" or "fx".
     graph: a trace of `model(**inputs)` from `normfold.analysis.trace` to reuse (several option sets).
     """
     say = progress or (lambda msg: None)
-    opts = Options(center_embeddings=center_embeddings, recenter=recenter)
+    opts = Options(center_embeddings=center_embeddings, recenter=recenter, structural=structural)
     t0 = time.perf_counter()
     if not _has_layernorm_like(model):
         report = build_report(Propagation.empty(model, opts), model, [])

@@ -34,10 +34,14 @@ class Options:
     """center_embeddings: embedding tables and parameters added to the stream (cls tokens, position
     tables) may be centred (paper 002 Table 7's "centered embedding" column; False = its plain column).
     recenter: allow an explicit Recenter after a module whose output joins the stream but cannot be
-    made zero-mean by weights (BLOOM's embedding LayerNorm); such conversions are not stock-reloadable."""
+    made zero-mean by weights (BLOOM's embedding LayerNorm); such conversions are not stock-reloadable.
+    structural: judge norms by structure only: a LayerNorm output counts as zero-mean only without
+    affine, not when its γ happens to be constant and β zero (verdicts that hold for any weight
+    values, as training-time reparametrization needs)."""
 
     center_embeddings: bool = True
     recenter: bool = False
+    structural: bool = False
 
 
 @dataclass
@@ -333,9 +337,14 @@ class Propagation:
         zero_beta = b is None or not bool(b.ne(0).any())
         if isinstance(gamma, Node) and g is None or isinstance(beta, Node) and b is None:
             const_gamma = zero_beta = False  # affine from a computed tensor
-        if const_gamma and zero_beta and len(node.arg(1)) == 1:
-            return ZeroMean(-1)
         name = self.norm_name(node)
+        if const_gamma and zero_beta and len(node.arg(1)) == 1:
+            if g is None and b is None:
+                return ZeroMean(-1)
+            if not self.options.structural:
+                return ZeroMean(-1, assumes=frozenset({name}))
+            return not_zero_mean([Cause(f"the affine output of {name} (γ⊙n+β: zero-mean for its current values, "
+                                        "γ constant and β = 0, but not for every value)", node.name, "affine")])
         return not_zero_mean([Cause(f"the affine output of {name} (γ⊙n+β is not zero-mean)", node.name, "affine")])
 
     def norm_name(self, node: Node) -> str:

@@ -29,6 +29,9 @@ class NormReport:
     affine_note: str | None = None  # why not, naming the other consumer
     final: bool = False  # its output is (also) a model output
     recenter: list[str] = field(default_factory=list)  # explicit Recenters it relies on (recenter=True)
+    # Norms whose output counts as zero-mean only for their current values (γ constant, β = 0): the
+    # verdict holds for these weights, not for every value (structural=True refuses it).
+    assumes: list[str] = field(default_factory=list)
     module: bool = True  # an nn.LayerNorm module (the converter swaps only those)
     calls: int = 1
     eps: float | None = None
@@ -53,6 +56,7 @@ class AnalysisReport:
     tracer: str
     center_embeddings: bool
     recenter: bool
+    structural: bool = False
     norms: list[NormReport] = field(default_factory=list)
     writers: list[WriterReport] = field(default_factory=list)  # centrable writers the foldable norms need
     other_norms: dict[str, int] = field(default_factory=dict)  # non-LayerNorm normalization modules
@@ -124,6 +128,10 @@ class AnalysisReport:
         notes = [f"plan derived by normfold.analyze ({self.tracer} trace)"]
         tied = sorted({t for w in self.writers if w.name in {x for n in self.foldable for x in n.writers}
                        for t in w.tied_with})
+        assumed = sorted({a for n in self.foldable for a in n.assumes})
+        if assumed:
+            notes.append(f"exact for these weights only: relies on {', '.join(assumed)} having a constant γ and "
+                         "β = 0 (analyze with structural=True for a plan that holds for any values)")
         if tied:
             notes.append(f"tied parameters untied so the writers can be centred: {', '.join(tied)}")
         return ConversionPlan(adapter="analysis", streams=streams, kept=kept, notes=notes,
@@ -151,7 +159,8 @@ class AnalysisReport:
 def build_report(prop: Propagation, model: nn.Module, output_names: list[str | None]) -> AnalysisReport:
     opts = prop.options
     report = AnalysisReport(architecture=type(model).__name__, tracer=prop.graph.tracer,
-                            center_embeddings=opts.center_embeddings, recenter=opts.recenter)
+                            center_embeddings=opts.center_embeddings, recenter=opts.recenter,
+                            structural=opts.structural)
     groups: dict[str, list[NormCall]] = {}
     for nc in prop.norm_calls:
         groups.setdefault(prop.norm_name(nc.node), []).append(nc)
@@ -211,13 +220,14 @@ def _norm_report(prop: Propagation, name: str, calls: list[NormCall]) -> NormRep
     if len(calls) > 1 and not foldable:
         bad = next(i for i, v in enumerate(verdicts) if not v[0])
         reason = f"call {bad + 1} of {len(calls)}: {reason}"
-    writers, recenter = [], []
+    writers, recenter, assumes = [], [], []
     for nc in calls:
         s = nc.input_state
         ws = getattr(s, "writers", frozenset())
         writers += [w for w in sorted(ws, key=lambda k: prop_order(prop, k)) if w not in writers]
         if isinstance(s, ZeroMean):
             recenter += [r for r in sorted(s.recenters) if r not in recenter]
+            assumes += [a for a in sorted(s.assumes) if a not in assumes]
     readers = list(dict.fromkeys(r for nc in calls for r in nc.readers))
     final = any(nc.final for nc in calls)
     problem = next((nc.reader_problem for nc in calls if nc.reader_problem), None)
@@ -228,7 +238,8 @@ def _norm_report(prop: Propagation, name: str, calls: list[NormCall]) -> NormRep
     return NormReport(
         name=name, foldable=foldable, reason=reason, writers=writers,
         readers=readers, affine_foldable=bool(readers) and problem is None, affine_note=problem,
-        final=final, recenter=recenter if foldable else [], module=is_module, calls=len(calls),
+        final=final, recenter=recenter if foldable else [], assumes=assumes if foldable else [],
+        module=is_module, calls=len(calls),
         eps=getattr(module, "eps", None) if is_module else node.arg(4, "eps", 1e-5),
         normalized_shape=shape,
         affine=_affine(getattr(gamma, "value", None) if gamma is not None else None,
@@ -251,6 +262,9 @@ def _verdict(prop: Propagation, nc: NormCall) -> tuple[bool, str]:
             "input is zero-mean as is"
         if s.recenters:
             why += f", with an explicit Recenter after {', '.join(sorted(s.recenters))}"
+        if s.assumes:
+            why += (f"; relies on the current values of {_short_list(sorted(s.assumes), 2)} (γ constant, β = 0), "
+                    "not on structure")
         return True, why
     if isinstance(s, Multi):
         return False, "its input is one of several outputs the analysis cannot tell apart"

@@ -21,7 +21,7 @@ because they need the model (parameters, modules, layouts).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .graph import Node
 
@@ -42,11 +42,14 @@ class Cause:
 
 @dataclass(frozen=True)
 class ZeroMean:
-    """Zero-mean along `axis` for every input, once `writers` are centred (and `recenters` added)."""
+    """Zero-mean along `axis` for every input, once `writers` are centred (and `recenters` added).
+    `assumes`: norms whose output counts as zero-mean only for their current values (γ constant,
+    β = 0), not for every weight value (training would break it)."""
 
     axis: int
     writers: frozenset[str] = frozenset()
     recenters: frozenset[str] = frozenset()
+    assumes: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -94,8 +97,8 @@ def conjoin(states: list, node: Node, ctx) -> State:
     if len(axes) > 1:
         return not_zero_mean([Cause(f"a sum in {ctx.where(node)} of tensors zero-mean along different dims "
                                     f"({', '.join(map(str, sorted(axes)))})", node.name, "axis")], states)
-    return ZeroMean(axes.pop(), writers_of(states),
-                    frozenset().union(*(s.recenters for s in states)))
+    return ZeroMean(axes.pop(), writers_of(states), frozenset().union(*(s.recenters for s in states)),
+                    frozenset().union(*(s.assumes for s in states)))
 
 
 # ---- axis helpers -------------------------------------------------------------------------------------
@@ -182,7 +185,7 @@ class Structural(Rule):
             if axis is None:
                 return not_zero_mean([Cause(f"{node.op} in {ctx.where(node)}, which splits or slices the zero-mean "
                                             f"feature dim", node.name, "axis")], [s])
-            return ZeroMean(axis, s.writers, s.recenters)
+            return replace(s, axis=axis)
         if isinstance(s, NotZeroMean):
             return s
         return not_zero_mean([ctx.cause_of(node)])
@@ -430,7 +433,7 @@ class RowMix(Rule):
         v = node.arg(self.value_pos)
         s = ctx.state(v) if isinstance(v, Node) else None
         if isinstance(s, ZeroMean) and s.axis == -1 and v.rank and v.rank >= 2:
-            return ZeroMean(-1, s.writers, s.recenters)
+            return replace(s, axis=-1)
         return Rule.forward(self, node, ctx)
 
     def shift(self, node, pos, axis):
@@ -451,7 +454,7 @@ class Split(Structural):
         if isinstance(s, ZeroMean):
             axis = self.mapper(node, s.axis)
             if axis is not None:
-                return Multi((ZeroMean(axis, s.writers, s.recenters),) * n)
+                return Multi((replace(s, axis=axis),) * n)
         return Multi((super().forward(node, ctx),) * n)
 
 

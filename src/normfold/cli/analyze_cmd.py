@@ -21,8 +21,9 @@ normalized dim. A LayerNorm is FOLDABLE when its input is zero-mean for every in
                weight is not also used elsewhere (a weight tied to a head gets untied)
   keep         view, reshape, permute, transpose, token selection, dtype casts, dropout in eval mode
   AND          add, sub, cat: zero-mean iff every operand is
-  LayerNorm    its output is zero-mean only without affine (or constant scale, zero shift):
-               a Post-LN norm's output g*n+b is NOT, so the next norm does not fold
+  LayerNorm    its output is zero-mean only without affine (or constant scale and zero shift, for
+               these weights only; --structural refuses that): a Post-LN norm's output g*n+b is
+               NOT, so the next norm does not fold
   anything else  GELU, softmax, products, model inputs, buffers, dropout in training mode: not zero-mean
 
 A non-foldable norm is reported with the op and module that break it, e.g. "input includes the
@@ -59,6 +60,9 @@ def add_parser(sub) -> None:
                         "centred by weights (e.g. BLOOM's embedding LayerNorm)")
     p.add_argument("--no-center-embeddings", action="store_true",
                    help="do not centre embedding tables or stream parameters (cls tokens, position tables)")
+    p.add_argument("--structural", action="store_true",
+                   help="count a LayerNorm output as zero-mean only without affine, not when its scale happens to be "
+                        "constant and its shift zero (verdicts that hold for any weights, e.g. for training)")
     p.add_argument("--tracer", default="auto", choices=["auto", "export", "fx"],
                    help="torch.export, torch.fx, or auto: export, then fx for non-HF modules (default)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random example inputs (default 0)")
@@ -86,7 +90,7 @@ def run(args) -> int:
             steps.note(msg)
 
     report = analyze(model, inputs, center_embeddings=not args.no_center_embeddings, recenter=args.recenter,
-                     tracer=args.tracer, progress=progress)
+                     structural=args.structural, tracer=args.tracer, progress=progress)
     steps.end()
     report.source = source
     report.seconds.update({k: round(v, 3) for k, v in steps.times.items()})
