@@ -342,3 +342,9 @@ def test_a_reader_shared_by_two_norms_keeps_the_affines():
     conv, crep = normfold.convert(model, adapter=report.to_adapter(), inputs={"x": x})
     assert conv.ln_a.weight is not None  # γ stayed in the RMSNorm
     assert rel_err(conv(x), model(x)) <= 1e-9
+
+
+def test_float_inputs_follow_the_models_dtype():
+    model = build(Sandwich)  # float64
+    report = analyze(model, torch.randn(2, 4, 5))  # float32 input, as an adapter's example inputs may be
+    assert report.norm("ln_a").foldable and report.inputs["x"].dtype == torch.float64

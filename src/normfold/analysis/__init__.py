@@ -17,6 +17,8 @@ from typing import Callable
 
 from torch import nn
 
+from ..convert import working_dtype
+from ..verify import cast_inputs
 from .graph import Graph
 from .propagate import Options, Propagation
 from .report import AnalysisReport, NormReport, WriterReport, build_report
@@ -51,6 +53,7 @@ def analyze(model: nn.Module, inputs=None, *, center_embeddings: bool = True, re
         report.seconds["analyze"] = round(time.perf_counter() - t0, 3)
         return report
     inputs = example_inputs(model) if inputs is None else as_kwargs(model, inputs)
+    inputs = cast_inputs(inputs, working_dtype(model))  # floating inputs in the model's dtype, as verify runs it
     if graph is None:
         say(f"tracing {type(model).__name__}")
         graph = trace(model, inputs, tracer)

@@ -138,10 +138,7 @@ def _generic_inputs(model: nn.Module, g: torch.Generator) -> dict:
     seq = max(2, min(8, max_pos))
     batch = 1 if type(model).__name__.endswith("ForSequenceClassification") and \
         getattr(cfg, "pad_token_id", None) is None else 2
-    x = INPUT_BUILDERS[main](cfg, g, batch, seq)
-    if x.is_floating_point():
-        x = x.to(next((p.dtype for p in model.parameters() if p.is_floating_point()), x.dtype))
-    inputs = {main: x}
+    inputs = {main: INPUT_BUILDERS[main](cfg, g, batch, seq)}
     params = _forward_params(model)
     if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params:
         inputs["decoder_input_ids"] = torch.randint(0, cfg.vocab_size, (batch, 4), generator=g)
