@@ -116,8 +116,10 @@ def example_inputs(model: nn.Module, seed: int = 0) -> dict:
         inputs = dict(find_adapter(model).example_inputs(model, g))
     except UnsupportedModelError:
         inputs = _generic_inputs(model, g)
-    from ..verify import _accepts
+    from ..convert import working_dtype
+    from ..verify import _accepts, cast_inputs
 
+    inputs = cast_inputs(inputs, working_dtype(model))  # an adapter's float inputs may be float32
     # As normfold.verify runs the model: hidden states are outputs too (a final norm's output is one).
     if "use_cache" in _forward_params(model):
         inputs.setdefault("use_cache", False)
