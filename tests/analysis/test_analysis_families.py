@@ -285,6 +285,9 @@ MORE = {
     "clip_vision": ((1, 6), hf("CLIPVisionConfig", "CLIPVisionModel", hidden_size=16, intermediate_size=32,
                                num_hidden_layers=2, num_attention_heads=2, image_size=16, patch_size=8)),
     "clip_vision+recenter": ((6, 6), None),
+    # pretraining_tp: output projections as sums of F.linear over weight slices, from a zeros_like
+    "bloom_tp2+recenter": ((6, 6), hf("BloomConfig", "BloomForCausalLM", vocab_size=50, hidden_size=16, n_layer=2,
+                                      n_head=2, pretraining_tp=2, slow_but_exact=True)),
 }
 
 
@@ -293,6 +296,10 @@ def test_more_families_convert_exactly(name):
     (foldable, total), build = MORE[name]
     family, _, recenter = name.partition("+")
     model, inputs, graph = traced(family, build or MORE[family][1])
+    if family == "bloom_tp2":  # the output projections really run as F.linear on weight slices
+        sliced = [n for n in graph.nodes if n.op == "linear" and n.arg(1).op == "slice"]
+        assert len(sliced) == 2 * 2 * 2  # 2 layers x (attention, MLP) x pretraining_tp
+        assert not any(n.op == "linear" and n.module.endswith((".dense", ".dense_4h_to_h")) for n in graph.nodes)
     report = analyze(model, inputs, graph=graph, recenter=bool(recenter))
     assert (len(report.foldable), report.total) == (foldable, total)
     conv, crep = normfold.convert(model, adapter=report.to_adapter(), verify=False)

@@ -288,7 +288,12 @@ class ReturnsStream(PreLN):
 @pytest.mark.parametrize("tracer", TRACERS)
 def test_stream_outputs_are_named_and_declared_centred(tracer):
     model = build(ReturnsStream)
-    report = analyze(model, IDS, tracer=tracer)
+    # an output other than hidden states may not silently change: centring is refused...
+    blocked = analyze(model, IDS, tracer=tracer)
+    assert not blocked.foldable
+    assert "the model output 'output[1]', which would come back recentred" in blocked.norm("ln_f").reason
+    # ...unless the caller says that output carries the stream
+    report = analyze(model, IDS, tracer=tracer, recentred_outputs=("output[1]",))
     assert report.stream_outputs == ["output[1]"]
     assert report.to_plan().centered_outputs == ["output[[]1[]]"]
     conv, crep = normfold.convert(model, adapter=report.to_adapter())
@@ -348,3 +353,31 @@ def test_float_inputs_follow_the_models_dtype():
     model = build(Sandwich)  # float64
     report = analyze(model, torch.randn(2, 4, 5))  # float32 input, as an adapter's example inputs may be
     assert report.norm("ln_a").foldable and report.inputs["x"].dtype == torch.float64
+
+
+class GeluFeedsNorms(nn.Module):
+    """An nn.GELU module output read by one norm, or by two: a Recenter after it pays off only for two."""
+
+    def __init__(self, two: bool, d=8):
+        super().__init__()
+        self.two = two
+        self.fc, self.act = nn.Linear(5, d), nn.GELU()
+        self.ln_b, self.ln_c = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, x):
+        h = self.act(self.fc(x))
+        y = self.out(self.ln_b(h))
+        return y + self.out(self.ln_c(h)) if self.two else y
+
+
+def test_a_recenter_is_proposed_only_when_it_serves_two_norms():
+    x = torch.randn(2, 4, 5, dtype=torch.float64)
+    one = analyze(build(GeluFeedsNorms, two=False), x, recenter=True)
+    assert not one.foldable and "gelu" in one.norm("ln_b").reason
+    two_model = build(GeluFeedsNorms, two=True)
+    two = analyze(two_model, x, recenter=True)
+    assert [n.name for n in two.foldable] == ["ln_b", "ln_c"]
+    assert two.norm("ln_b").recenter == ["act"] and two.to_plan().streams[-1].recenter_after == ["act"]
+    conv, crep = normfold.convert(two_model, adapter=two.to_adapter())
+    assert not crep.stock_reloadable and rel_err(conv(x), two_model(x)) <= 1e-9

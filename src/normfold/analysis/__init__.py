@@ -31,7 +31,8 @@ def _has_layernorm_like(model: nn.Module) -> bool:
 
 
 def analyze(model: nn.Module, inputs=None, *, center_embeddings: bool = True, recenter: bool = False,
-            structural: bool = False, tracer: str = "auto", graph: Graph | None = None,
+            structural: bool = False, recentred_outputs: tuple[str, ...] = (), tracer: str = "auto",
+            graph: Graph | None = None,
             progress: Callable[[str], None] | None = None) -> AnalysisReport:
     """Trace `model` on `inputs` (default: example inputs from its adapter or HF config) and report,
     for every LayerNorm, whether it is foldable and why.
@@ -42,11 +43,16 @@ def analyze(model: nn.Module, inputs=None, *, center_embeddings: bool = True, re
         centred by weights (BLOOM's embedding LayerNorm); the conversion is then not stock-reloadable.
     structural: a LayerNorm output counts as zero-mean only without affine, never because its γ is
         constant and β zero right now (verdicts that hold for any weights, e.g. for training).
+    recentred_outputs: names (or fnmatch patterns, as normfold.verify names them: 'output[1]',
+        'encoder_last_hidden_state') of model outputs that carry the residual stream and may come back
+        recentred, besides '*hidden_states[i]' and '*last_hidden_state' (the raw stream of a model without
+        a final norm). Any other output a centred writer would change blocks it.
     tracer: "auto" (torch.export, then torch.fx for non-HF modules), "export" or "fx".
     graph: a trace of `model(**inputs)` from `normfold.analysis.trace` to reuse (several option sets).
     """
     say = progress or (lambda msg: None)
-    opts = Options(center_embeddings=center_embeddings, recenter=recenter, structural=structural)
+    opts = Options(center_embeddings=center_embeddings, recenter=recenter, structural=structural,
+                   recentred_outputs=tuple(recentred_outputs))
     t0 = time.perf_counter()
     if not _has_layernorm_like(model):
         report = build_report(Propagation.empty(model, opts), model, [])
@@ -59,9 +65,9 @@ def analyze(model: nn.Module, inputs=None, *, center_embeddings: bool = True, re
         graph = trace(model, inputs, tracer)
     t1 = time.perf_counter()
     say(f"propagating zero mean through {len(graph.nodes)} nodes")
-    prop = Propagation(graph, model, opts).run()
     if graph.output_names is None:
         graph.output_names = output_names(graph)
+    prop = Propagation(graph, model, opts).run()
     report = build_report(prop, model, graph.output_names)
     report.inputs = inputs
     report.seconds.update(trace=round(t1 - t0, 3), analyze=round(time.perf_counter() - t1, 3))

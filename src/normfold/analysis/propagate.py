@@ -18,6 +18,7 @@ never checks whether a writer's output reaches anything but norms; both are fixe
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -27,6 +28,7 @@ from .graph import Graph, Node
 from .rules import ABSORBED, Cause, Meta, NormRule, NotZeroMean, WriterRule, ZeroMean, not_zero_mean, rule_for
 
 SOURCE_KINDS = ("input", "param", "buffer", "constant", "get_attr")
+STREAM_OUTPUTS = ("*last_hidden_state",)
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,8 @@ class Options:
     tables) may be centred (paper 002 Table 7's "centered embedding" column; False = its plain column).
     recenter: allow an explicit Recenter after a module whose output joins the stream but cannot be
     made zero-mean by weights (BLOOM's embedding LayerNorm); such conversions are not stock-reloadable.
+    recentred_outputs: output names/patterns that may come back recentred, besides '*hidden_states[i]'
+    and '*last_hidden_state': outputs carrying the stream itself.
     structural: judge norms by structure only: a LayerNorm output counts as zero-mean only without
     affine, not when its γ happens to be constant and β zero (verdicts that hold for any weight
     values, as training-time reparametrization needs)."""
@@ -42,15 +46,18 @@ class Options:
     center_embeddings: bool = True
     recenter: bool = False
     structural: bool = False
+    recentred_outputs: tuple[str, ...] = ()
 
 
 @dataclass
 class ShiftResult:
-    """Where a per-row shift of a tensor goes: absorbed everywhere (ok), or seen by `culprit`."""
+    """Where a per-row shift of a tensor goes: absorbed by norms / returned in a stream output (ok), or
+    seen by something (`why`)."""
 
     ok: bool
-    culprit: Node | None = None
+    why: str | None = None  # what sees it: "gelu in h.0.mlp", "the model output 'pooler_output'"
     outputs: frozenset[int] = frozenset()
+    norms: frozenset[str] = frozenset()  # the norm ops that absorb it
 
 
 @dataclass
@@ -102,6 +109,22 @@ class Propagation:
         self.recenters: dict[str, str | None] = {}  # module -> problem (None: may be recentred)
         self.recenter_outputs: dict[str, frozenset[int]] = {}
         self.norm_calls: list[NormCall] = []
+        self.recentrable_outputs = self._recentrable_outputs()
+
+    def _recentrable_outputs(self) -> frozenset[int]:
+        """Output leaves that carry the stream and may come back recentred: hidden states (as verify
+        accepts them), a last_hidden_state that is the raw stream (no final norm: CLIP's vision tower,
+        as its adapter does), and the user's patterns. Pooled outputs, logits, embeddings: never."""
+        from ..verify import CENTERED_OUTPUTS
+
+        patterns = tuple(CENTERED_OUTPUTS) + STREAM_OUTPUTS + self.options.recentred_outputs
+        names = self.graph.output_names or []
+        return frozenset(i for i, name in enumerate(names) if name is not None and any(
+            name == p or fnmatch.fnmatchcase(name, p) for p in patterns))
+
+    def _output_name(self, i: int) -> str:
+        names = self.graph.output_names or []
+        return f"'{names[i]}'" if i < len(names) and names[i] else f"#{i}"
 
     @classmethod
     def empty(cls, model: nn.Module, options: Options = Options()) -> "Propagation":
@@ -157,11 +180,14 @@ class Propagation:
                                       "not make each output zero-mean)")
         if rule.conv and node.op == "convolution" and node.arg(6, "transposed", False):
             return WriterCall(key=node.module or node.name, paths=(), **base, problem="it is a transposed convolution")
-        module = self.modules.get(node.module)
+        # Centre through the module that owns the weight (usually the op's own module; a weight used
+        # functionally elsewhere, e.g. sliced by BLOOM's pretraining_tp, still belongs to it).
+        owner = self._alias_for(w, node.module).rpartition(".")[0]
+        module = self.modules.get(owner)
         lay = algebra.layout_of(module) if module is not None else None
         if (lay is not None and lay.out_dim == out_dim and getattr(module, lay.weight, None) is w.value
                 and (b is None or (lay.bias and getattr(module, lay.bias, None) is b.value))):
-            return WriterCall(key=node.module, paths=(node.module,), **base)
+            return WriterCall(key=owner, paths=(owner,), **base)
         # Functional use of parameters: a parameter can be centred on its own over its last dim,
         # which is the output dim for x @ W (in, out), addmm and embedding tables.
         if w.value is not None and out_dim == w.value.dim() - 1:
@@ -218,7 +244,7 @@ class Propagation:
                                     else None)
                 outputs |= res.outputs
                 if not res.ok:
-                    problem = f"its output also reaches {res.culprit.op} in {self.where(res.culprit)}"
+                    problem = f"its output also reaches {res.why}"
                     break
         info.problem, info.centrable, info.outputs = problem, problem is None, outputs
         return info
@@ -284,20 +310,28 @@ class Propagation:
 
     def _combine(self, node: Node, axis: int, edges) -> ShiftResult:
         outputs: set[int] = set()
+        norms: set[str] = set()
         out_node = self.graph.output
         for user, pos, r in self._shift_edges(node, axis, edges):
             if r == "output":
-                outputs |= {i for i, leaf in enumerate(out_node.args[0]) if leaf is node}
+                hits = {i for i, leaf in enumerate(out_node.args[0]) if leaf is node}
+                bad = sorted(hits - self.recentrable_outputs)
+                if bad:
+                    return ShiftResult(False, f"the model output {self._output_name(bad[0])}, which would come back "
+                                              "recentred (allow it with recentred_outputs=...)")
+                outputs |= hits
             elif r == ABSORBED:
-                continue
+                if isinstance(rule_for(user), NormRule):
+                    norms.add(user.name)
             elif r is None:
-                return ShiftResult(False, user)
+                return ShiftResult(False, f"{user.op} in {self.where(user)}")
             else:
                 sub = self._shift[(user.name, r)]
                 if not sub.ok:
                     return sub
                 outputs |= sub.outputs
-        return ShiftResult(True, None, frozenset(outputs))
+                norms |= sub.norms
+        return ShiftResult(True, None, frozenset(outputs), frozenset(norms))
 
     # ---- pass 2: forward ----------------------------------------------------------------------------------
     def forward(self) -> None:
@@ -356,7 +390,7 @@ class Propagation:
     def _maybe_recenter(self, node: Node, state: NotZeroMean):
         """With recenter=True: a module output that is not zero-mean but only flows into norms/outputs
         may get an explicit Recenter (x - mean(x)) after its module (a forward hook, so every call of the
-        module is recentred: it must be called once)."""
+        module is recentred: it must be called once), when that makes two or more norms foldable."""
         module = node.module
         if not module or node.rank is None or not _returns_one_tensor(self.modules.get(module)):
             return state
@@ -366,8 +400,8 @@ class Propagation:
         if module not in self.recenters:
             res = self.shift_of(node, -1)
             self.recenter_outputs[module] = res.outputs
-            self.recenters[module] = None if res.ok else \
-                f"its output also reaches {res.culprit.op} in {self.where(res.culprit)}"
+            # A Recenter costs what one LayerNorm's centring costs: worth it only for two or more norms.
+            self.recenters[module] = None if res.ok and len(res.norms) >= 2 else "not worth it"
         if self.recenters[module] is not None:
             return state
         return ZeroMean(-1, frozenset(), frozenset({module}))

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..adapters.base import Adapter, ConversionPlan, KeptNorm, NormSite, StreamPlan
 from .propagate import NormCall, Propagation
-from .rules import Multi, NotZeroMean, ZeroMean
+from .rules import Multi, NotZeroMean, Zero, ZeroMean
 
 FORMAT_VERSION = 1
 
@@ -266,6 +266,8 @@ def _verdict(prop: Propagation, nc: NormCall) -> tuple[bool, str]:
             why += (f"; relies on the current values of {_short_list(sorted(s.assumes), 2)} (γ constant, β = 0), "
                     "not on structure")
         return True, why
+    if isinstance(s, Zero):
+        return True, "its input is identically zero"
     if isinstance(s, Multi):
         return False, "its input is one of several outputs the analysis cannot tell apart"
     return False, "its input is not a tensor the analysis tracks"

@@ -59,13 +59,18 @@ class NotZeroMean:
 
 
 @dataclass(frozen=True)
+class Zero:
+    """An all-zero tensor (zeros_like accumulators): zero-mean along every dim, adds nothing."""
+
+
+@dataclass(frozen=True)
 class Multi:
     """The states of a multi-output op (split, chunk, ...), read by getitem."""
 
     items: tuple
 
 
-State = ZeroMean | NotZeroMean | Multi | None
+State = ZeroMean | NotZeroMean | Zero | Multi | None
 MAX_CAUSES = 6
 
 
@@ -88,6 +93,9 @@ def not_zero_mean(causes, states=()) -> NotZeroMean:
 
 def conjoin(states: list, node: Node, ctx) -> State:
     """AND over the operands of a sum: zero-mean iff all are, along the same axis."""
+    states = [s for s in states if not isinstance(s, Zero)]
+    if not states:
+        return Zero()
     causes = [c for s in states if isinstance(s, NotZeroMean) for c in s.causes]
     if any(not isinstance(s, (ZeroMean, NotZeroMean)) for s in states):
         causes.append(ctx.cause_of(node))
@@ -166,6 +174,19 @@ class Meta(Rule):
         return ABSORBED
 
 
+class Zeros(Rule):
+    """zeros / zeros_like / new_zeros: a fresh all-zero tensor."""
+
+    kind = "zero"
+    doc = "an all-zero tensor: zero-mean along every dim, neutral in sums"
+
+    def forward(self, node, ctx):
+        return Zero()
+
+    def shift(self, node, pos, axis):
+        return ABSORBED  # reads only the shape of its argument
+
+
 class Structural(Rule):
     """One tensor in, the same numbers rearranged out: the zero-mean axis moves (or is destroyed)."""
 
@@ -180,6 +201,8 @@ class Structural(Rule):
     def forward(self, node: Node, ctx) -> State:
         src = node.arg(0)
         s = ctx.state(src)
+        if isinstance(s, Zero):
+            return s
         if isinstance(s, ZeroMean):
             axis = self.mapper(node, s.axis)
             if axis is None:
@@ -397,7 +420,7 @@ class Scale(Rule):
     def forward(self, node, ctx):
         for _, x, other in self.operands(node):
             s = ctx.state(x) if isinstance(x, Node) else None
-            if isinstance(s, ZeroMean) and const_along(other, s.axis, node.rank):
+            if isinstance(s, Zero) or isinstance(s, ZeroMean) and const_along(other, s.axis, node.rank):
                 return s
         states = [ctx.state(x) for x in node.args[:2] if isinstance(x, Node)]
         causes = [c for st in states if isinstance(st, NotZeroMean) for c in st.causes]
@@ -495,10 +518,16 @@ class WriterRule(Rule):
         """(the weight's parameter node, its output dim, the transpose node in between if any). For
         mm/matmul the right side may be W.T of a 2-D parameter (x @ self.weight.T, as Falcon writes it)."""
         w = node.arg(self.weight_pos)
-        if self.transposable and isinstance(w, Node) and w.op in ("t", "transpose", "numpy_T") and \
-                len(w.users) == 1 and isinstance(w.arg(0), Node) and w.arg(0).op == "param" and w.rank == 2:
+        if not isinstance(w, Node) or w.op == "param" or len(w.users) != 1 or not isinstance(w.arg(0), Node) \
+                or w.arg(0).op != "param":
+            return (w if isinstance(w, Node) and w.op == "param" else None), self.weight_out_dim, None
+        if self.transposable and w.op in ("t", "transpose", "numpy_T") and w.rank == 2:
             return w.arg(0), 1 - self.weight_out_dim, w
-        return (w if isinstance(w, Node) and w.op == "param" else None), self.weight_out_dim, None
+        # A slice of the weight along an input dim (BLOOM's pretraining_tp: F.linear(x_i, W[:, i])):
+        # each slice of a weight centred over its output dim is centred too.
+        if w.op in ("slice", "narrow") and dim_arg(w.arg(1, "dim", 0), w.rank) != self.weight_out_dim:
+            return w.arg(0), self.weight_out_dim, w
+        return None, self.weight_out_dim, None
 
     def out_axis(self, node: Node) -> int:
         if not self.conv:
@@ -536,8 +565,9 @@ def register_rule(rule: Rule, *ops: str) -> None:
 
 
 register_rule(Meta(), "_assert_tensor_metadata", "_assert_scalar", "sym_size", "sym_numel", "sym_stride", "size",
-              "dim", "numel", "getattr", "_assert_async", "sym_constrain_range_for_size", "empty_like", "zeros_like",
-              "ones_like", "full_like", "rand_like", "randn_like", "new_ones", "new_zeros", "new_empty", "new_full")
+              "dim", "numel", "getattr", "_assert_async", "sym_constrain_range_for_size", "empty_like", "ones_like",
+              "full_like", "rand_like", "randn_like", "new_ones", "new_empty", "new_full")
+register_rule(Zeros(), "zeros", "zeros_like", "new_zeros")
 register_rule(Structural(_same), "alias", "clone", "contiguous", "detach", "lift_fresh_copy", "_to_copy", "to",
               "identity")
 register_rule(Structural(_same, meta_args=(1, "other")), "type_as")

@@ -63,6 +63,9 @@ def add_parser(sub) -> None:
     p.add_argument("--structural", action="store_true",
                    help="count a LayerNorm output as zero-mean only without affine, not when its scale happens to be "
                         "constant and its shift zero (verdicts that hold for any weights, e.g. for training)")
+    p.add_argument("--recentred-output", action="append", default=[], metavar="NAME",
+                   help="a model output (as normfold verify names it, e.g. encoder_last_hidden_state) that carries "
+                        "the residual stream and may come back recentred; hidden_states are always allowed")
     p.add_argument("--tracer", default="auto", choices=["auto", "export", "fx"],
                    help="torch.export, torch.fx, or auto: export, then fx for non-HF modules (default)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random example inputs (default 0)")
@@ -90,7 +93,8 @@ def run(args) -> int:
             steps.note(msg)
 
     report = analyze(model, inputs, center_embeddings=not args.no_center_embeddings, recenter=args.recenter,
-                     structural=args.structural, tracer=args.tracer, progress=progress)
+                     structural=args.structural, recentred_outputs=tuple(args.recentred_output),
+                     tracer=args.tracer, progress=progress)
     steps.end()
     report.source = source
     report.seconds.update({k: round(v, 3) for k, v in steps.times.items()})
