@@ -16,6 +16,7 @@ from .errors import NormfoldError  # noqa: E402
 from .convert import convert  # noqa: E402  (the function shadows the submodule name on purpose)
 from .io import load, save  # noqa: E402
 from . import un as _un  # noqa: E402,F401  (registers the "un" conversion variant)
+from .analysis import analyze  # noqa: E402
 from .fuse import fuse_offline_norms  # noqa: E402
 
-__all__ = ["__version__", "NormfoldError", "convert", "load", "save", "fuse_offline_norms"]
+__all__ = ["__version__", "NormfoldError", "convert", "load", "save", "analyze", "fuse_offline_norms"]

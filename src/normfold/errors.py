@@ -25,6 +25,10 @@ class UnsupportedConversionError(NormfoldError):
     """The adapter exists but cannot do what was asked (variant, option, configuration)."""
 
 
+class UntraceableModelError(NormfoldError):
+    """`normfold analyze` could not trace the model's forward pass (torch.export / torch.fx)."""
+
+
 class NonFiniteWeightsError(NormfoldError):
     """The model has NaN or infinite parameters; no conversion can be exact."""
 

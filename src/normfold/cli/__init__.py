@@ -11,7 +11,7 @@ import traceback
 from .. import __version__
 from ..errors import NormfoldError
 
-_COMMANDS = ("convert", "verify", "bench", "fuse")
+_COMMANDS = ("convert", "verify", "analyze", "fuse", "bench")
 
 DESCRIPTION = """\
 normfold turns LayerNorm Transformers into arithmetically equivalent RMSNorm models.
@@ -28,6 +28,7 @@ examples:
   normfold convert --out ./kjv-rms            convert the bundled default model (a small GPT-2)
   normfold convert ./my-gpt2 --out ./gpt2-rms convert a local Hugging Face model directory
   normfold verify ./my-gpt2 ./gpt2-rms        re-check a saved conversion against its original
+  normfold analyze ./my-bert                  which LayerNorms can be folded, and why the others cannot
   normfold convert ./my-gpt2 --to un --out ./gpt2-un   swap LayerNorm for Unified Normalization (to fine-tune)
   normfold fuse ./gpt2-un-ft --out ./gpt2-fused        fold a fine-tuned UN model's norms into its linears
 

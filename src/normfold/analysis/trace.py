@@ -1,0 +1,194 @@
+"""Tracing a model into a `Graph`: torch.export first (robust for transformers models, keeps the
+module path of every op), torch.fx symbolic_trace as a fallback for plain nn.Modules that export
+cannot handle (e.g. custom ops without fake kernels). Also: example inputs for models without an
+adapter, and the names of the model's outputs (as normfold.verify spells them)."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import logging
+
+import torch
+from torch import nn
+
+from ..errors import NormfoldError, UnsupportedModelError, UntraceableModelError
+from .graph import Graph, from_export, from_fx
+
+TRACERS = ("auto", "export", "fx")
+
+
+def trace(model: nn.Module, inputs: dict, tracer: str = "auto") -> Graph:
+    """Trace `model(**inputs)`; raise UntraceableModelError saying what failed and what to try."""
+    if tracer not in TRACERS:
+        raise NormfoldError(f"unknown tracer {tracer!r}; choose one of {', '.join(TRACERS)}")
+    errors = []
+    if tracer in ("auto", "export"):
+        try:
+            with _quiet_torch_logs():
+                ep = torch.export.export(model, (), dict(inputs), strict=False)
+            return from_export(ep, model)
+        except Exception as exc:  # export raises many types; all mean "cannot trace"
+            errors.append(f"torch.export: {_first_line(exc)}")
+    if tracer == "fx" or (tracer == "auto" and not _is_hf(model)):
+        try:
+            return _fx(model, inputs)
+        except Exception as exc:
+            errors.append(f"torch.fx: {_first_line(exc)}")
+    raise UntraceableModelError(
+        f"could not trace {type(model).__name__} with the example inputs ({'; '.join(errors)}). "
+        "The analysis needs a graph of the forward pass: data-dependent Python control flow (if on a "
+        "tensor's value) and ops without fake-tensor support prevent tracing. Try other inputs "
+        "(normfold.analyze(model, inputs={...})), or describe the model with an adapter (docs/adapters.md).")
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """A failing export prints the partial graph on stderr and logs warnings; the error we raise says
+    what matters, so keep the user's terminal clean."""
+    names = ("torch.fx.experimental.symbolic_shapes", "torch.export", "torch._export", "torch._dynamo")
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _fx(model: nn.Module, inputs: dict) -> Graph:
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    sig = inspect.signature(model.forward)
+    concrete = {name: p.default for name, p in sig.parameters.items()
+                if name not in inputs and p.default is not inspect.Parameter.empty}
+    gm = torch.fx.symbolic_trace(model, concrete_args=concrete or None)
+    args = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            name = node.target.lstrip("*")
+            args.append(inputs[name] if name in inputs else concrete.get(name))
+    with torch.no_grad():
+        ShapeProp(gm).propagate(*args)
+    return from_fx(gm, model)
+
+
+def _is_hf(model: nn.Module) -> bool:
+    return hasattr(model, "config") and hasattr(model, "base_model_prefix")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}"
+
+
+# ---- example inputs -----------------------------------------------------------------------------------
+
+def _ids(cfg, g, batch, seq):
+    return torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+
+
+def _pixels(cfg, g, batch, seq):
+    size = getattr(cfg, "image_size", 32)
+    h, w = (size, size) if isinstance(size, int) else tuple(size)
+    return torch.randn(batch, getattr(cfg, "num_channels", 3), h, w, generator=g)
+
+
+def _features(cfg, g, batch, seq):
+    frames = 2 * getattr(cfg, "max_source_positions", 1500)  # Whisper's conv stem halves the frames
+    return torch.randn(batch, cfg.num_mel_bins, frames, generator=g)
+
+
+# Keyed by the model's main_input_name (transformers convention).
+INPUT_BUILDERS = {"input_ids": _ids, "pixel_values": _pixels, "input_features": _features}
+
+
+def example_inputs(model: nn.Module, seed: int = 0) -> dict:
+    """Inputs to trace with: the adapter's own when normfold has one, else built from the HF config."""
+    from ..adapters import find_adapter
+
+    g = torch.Generator().manual_seed(seed)
+    try:
+        inputs = dict(find_adapter(model).example_inputs(model, g))
+    except UnsupportedModelError:
+        inputs = _generic_inputs(model, g)
+    from ..convert import working_dtype
+    from ..verify import _accepts, cast_inputs
+
+    inputs = cast_inputs(inputs, working_dtype(model))  # an adapter's float inputs may be float32
+    # As normfold.verify runs the model: hidden states are outputs too (a final norm's output is one).
+    if "use_cache" in _forward_params(model):
+        inputs.setdefault("use_cache", False)
+    if _accepts(model, "output_hidden_states"):
+        inputs.setdefault("output_hidden_states", True)
+    return inputs
+
+
+def _generic_inputs(model: nn.Module, g: torch.Generator) -> dict:
+    cfg = getattr(model, "config", None)
+    main = getattr(model, "main_input_name", None)
+    if cfg is None or main not in INPUT_BUILDERS:
+        raise NormfoldError(
+            f"cannot build example inputs for {type(model).__name__}"
+            + (f" (main input {main!r})" if main else "")
+            + ": pass them yourself, e.g. normfold.analyze(model, inputs={'x': torch.randn(2, 8, 64)})")
+    max_pos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 8
+    seq = max(2, min(8, max_pos))
+    batch = 1 if type(model).__name__.endswith("ForSequenceClassification") and \
+        getattr(cfg, "pad_token_id", None) is None else 2
+    inputs = {main: INPUT_BUILDERS[main](cfg, g, batch, seq)}
+    params = _forward_params(model)
+    if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+        inputs["decoder_input_ids"] = torch.randint(0, cfg.vocab_size, (batch, 4), generator=g)
+    return inputs
+
+
+def _forward_params(model: nn.Module) -> dict:
+    try:
+        return dict(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+def as_kwargs(model: nn.Module, inputs) -> dict:
+    """Accept a dict of forward kwargs, or a tensor / tuple of tensors for the first positional params."""
+    if isinstance(inputs, dict):
+        return dict(inputs)
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    if isinstance(inputs, (tuple, list)):
+        names = [n for n, p in _forward_params(model).items()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(inputs) > len(names):
+            raise NormfoldError(f"{type(model).__name__}.forward takes {len(names)} positional inputs, "
+                                f"got {len(inputs)}")
+        return dict(zip(names, inputs))
+    raise NormfoldError(f"inputs must be a dict of forward() keyword arguments or tensors, not {type(inputs).__name__}")
+
+
+# ---- output names ---------------------------------------------------------------------------------------
+
+def output_names(graph: Graph) -> list[str | None]:
+    """normfold.verify's name ('logits', 'hidden_states[3]', 'output') of each graph output leaf, found
+    by rebuilding the output structure around marker tensors (no forward pass needed)."""
+    from ..verify import flatten_outputs
+
+    leaves = graph.output.args[0]
+    n_user = graph.n_user_outputs or len(leaves)
+    names: list[str | None] = [None] * len(leaves)
+    if graph.unflatten is None:
+        return names
+    markers = [torch.zeros(()) for _ in range(n_user)]
+    try:
+        flat = flatten_outputs(graph.unflatten(markers))
+    except Exception:  # names are a nicety (centred-output patterns); never fail the analysis on them
+        return names
+    by_id = {id(t): name for name, t in flat.items()}
+    offset = len(leaves) - n_user  # export lists buffer mutations before the user outputs
+    for i, m in enumerate(markers):
+        names[offset + i] = by_id.get(id(m))
+    return names
