@@ -179,7 +179,8 @@ def _eps(dtype: torch.dtype) -> float:
 def verify_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *, reconvert=None,
                       fp64_tol: float = 1e-9, skip=(), centered=CENTERED_OUTPUTS) -> Verification:
     """Run the checks described in the module docstring. `reconvert(model_fp64) -> converted_fp64`
-    re-applies the conversion in float64 (None for conversions that are not output-equivalent)."""
+    re-applies the conversion in float64 (None for conversions that are not output-equivalent); it
+    receives a private float64 copy of the original and may convert it in place."""
     from .convert import working_dtype
 
     dtype = working_dtype(converted)
@@ -190,7 +191,9 @@ def verify_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *
         exact = run_model(orig64, inputs)
         fp64 = None
         if reconvert is not None:
-            conv64 = reconvert(copy.deepcopy(orig64))
+            # The float64 copy is not needed once its outputs are known: `reconvert` may convert it in
+            # place, so a check holds one float64 model at a time (peak memory ~2x the model less).
+            conv64, orig64 = reconvert(orig64), None
             d64 = diff_outputs(run_model(conv64, inputs), exact, skip, centered)
             del conv64
             worst = _worst(d64)

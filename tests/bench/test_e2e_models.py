@@ -45,10 +45,12 @@ def test_norm_types_and_stream_width(cfg):
     for name, kind in (("layernorm", torch.nn.LayerNorm), ("rmsnorm", RMSNorm), ("crmsnorm", CRMSNorm)):
         norms = [m for m in models[name].modules() if isinstance(m, (torch.nn.LayerNorm, RMSNorm, CRMSNorm))]
         assert len(norms) == 2 * cfg.depth + 1 and all(isinstance(m, kind) for m in norms)
-    # every affine was folded into the readers: the (C)RMSNorms carry no parameters
-    for name in ("rmsnorm", "crmsnorm"):
-        assert all(m.weight is None and m.bias is None for m in models[name].modules()
-                   if isinstance(m, (RMSNorm, CRMSNorm)))
+    # block norms' affines were folded into their readers; Pre-RMS keeps the final norm's γ/β (normfold
+    # convert's default), Pre-CRMS folds it into the head as well
+    rms = [m for m in models["rmsnorm"].modules() if isinstance(m, RMSNorm)]
+    assert all(m.weight is None and m.bias is None for m in rms[:-1])
+    assert rms[-1].weight is not None and rms[-1].bias is not None
+    assert all(m.weight is None and m.bias is None for m in models["crmsnorm"].modules() if isinstance(m, CRMSNorm))
     assert all(m.normalized_shape == (d - 1,) for m in models["crmsnorm"].modules() if isinstance(m, CRMSNorm))
     assert not any(isinstance(m, torch.nn.LayerNorm) for m in models["no-norm"].modules())
     # the residual stream the blocks see really is d−1 wide

@@ -21,7 +21,7 @@ import torch
 from ..errors import NormfoldError
 from . import e2e_models as em
 from .results import write
-from .timing import Bar, machine_info, measure
+from .timing import Bar, machine_info, measure, steady_allocator
 
 # name -> (parameter dtype, autocast dtype or None)
 DTYPES = {
@@ -141,6 +141,7 @@ def run(out_dir="benchmarks", device: str = "cpu", quick: bool = False, rounds: 
     settings = settings if settings is not None else plan(device, quick, models, batches, dtypes).settings()
     rounds = rounds or ((5 if quick else 10) if device == "cpu" else (10 if quick else 30))
     machine = machine_info()
+    machine["allocator"] = steady_allocator()  # no page faults inside the timings
     device_type = "cuda" if device.startswith("cuda") else "cpu"
     rows: list[dict] = []
     bar = Bar(len(settings) * rounds, "bench e2e", enabled=progress)

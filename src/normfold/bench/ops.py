@@ -22,17 +22,13 @@ the machine info; NORMFOLD_BENCH_ALLOCATOR=default leaves glibc as it is.
 
 from __future__ import annotations
 
-import ctypes
-import os
-import platform
-
 import torch
 import torch.nn.functional as F
 
 from .. import ops
 from ..ops import cpu
 from .results import markdown, write
-from .timing import Bar, machine_info, measure
+from .timing import Bar, machine_info, measure, steady_allocator
 
 SHAPES = [(512, 768), (4096, 768), (1024, 4096), (8192, 1024), (4096, 1023)]
 QUICK_SHAPES = [(512, 768), (4096, 768), (1024, 4096)]
@@ -154,20 +150,6 @@ def _target(pas: str, row: dict) -> str:
     elif pas == "backward" and row["rms/ln"] > BWD_TARGET_LN:
         misses.append(f"ln>{BWD_TARGET_LN}")
     return "miss: " + ", ".join(misses) if misses else ("met" if pas != "add" else "")
-
-
-def steady_allocator() -> str:
-    """Keep freed memory mapped so timings do not include page faults (see the module docstring)."""
-    if os.environ.get("NORMFOLD_BENCH_ALLOCATOR", "").lower() == "default" or platform.libc_ver()[0] != "glibc":
-        return "default"
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return "default"
-    m_trim_threshold, m_mmap_max = -1, -4
-    if mallopt(m_trim_threshold, 1 << 30) and mallopt(m_mmap_max, 0):
-        return "glibc: no trim, no mmap"
-    return "default"
 
 
 def run(out_dir="benchmarks", quick: bool = False, rounds: int = 30, progress: bool = True,

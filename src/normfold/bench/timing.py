@@ -6,6 +6,7 @@ machine (frequency, other processes, page cache) from favouring whichever candid
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import statistics
@@ -139,3 +140,17 @@ class Bar:
         if self.enabled:
             self.stream.write("\n")
             self.stream.flush()
+
+
+def steady_allocator() -> str:
+    """Keep freed memory mapped so timings do not include page faults (see the module docstring)."""
+    if os.environ.get("NORMFOLD_BENCH_ALLOCATOR", "").lower() == "default" or platform.libc_ver()[0] != "glibc":
+        return "default"
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return "default"
+    m_trim_threshold, m_mmap_max = -1, -4
+    if mallopt(m_trim_threshold, 1 << 30) and mallopt(m_mmap_max, 0):
+        return "glibc: no trim, no mmap"
+    return "default"

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .results import write
-from .timing import Bar, machine_info, measure
+from .timing import Bar, machine_info, measure, steady_allocator
 
 COLUMNS = ["model", "batch", "tokens", "layernorm_ms", "un_eval_ms", "un_fused_ms", "no_norm_ms",
            "fused_speedup_%", "floor_speedup_%", "layer_norm_share_%", "layernorm_peak_MB", "fused_peak_MB",
@@ -106,6 +106,7 @@ def peak_memory(fn) -> int:
 def run(out_dir="benchmarks", models=("vit-tiny", "gpt2-mini"), batches=(1, 8), rounds: int = 10,
         progress: bool = True):
     machine = machine_info()
+    machine["allocator"] = steady_allocator()  # no page faults inside the timings
     rows = []
     bar = Bar(len(models) * len(batches) * rounds, "bench un", enabled=progress)
     for key in models:

@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
     p.add_argument("model", nargs="?", metavar="MODEL", help="model for the 'model' suite (default: bundled)")
     p.add_argument("--out", default="benchmarks", metavar="DIR", help="output directory (default: ./benchmarks)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and rounds (a smoke run)")
-    p.add_argument("--rounds", type=int, help="timed rounds per candidate (default: 30 ops, 15 model)")
+    p.add_argument("--rounds", type=int, help="timed rounds per candidate (default: 30 ops, 40 model)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_argument("--device", default="cpu", help="ops/e2e: cpu or cuda (default: cpu)")
     p.add_argument("--compile", action="store_true", help="e2e: also time every variant under torch.compile")
@@ -95,7 +95,7 @@ def run(args) -> int:
     else:
         from ..bench import model
 
-        rounds = args.rounds or (5 if args.quick else 15)
+        rounds = args.rounds or (5 if args.quick else 40)
         kwargs = {"shapes": ((1, 64),), "dtypes": ("float32",)} if args.quick else {}
         rows, paths = model.run(args.model, args.out, rounds=rounds, progress=not args.quiet, **kwargs)
     print(Path(paths["md"]).read_text())
