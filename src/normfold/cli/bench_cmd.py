@@ -21,6 +21,8 @@ suites:
           captured. CPU: float32 and bfloat16; --device cuda: autocast (amp-bf16)
   convert conversion time and peak memory of `normfold convert` on the bundled model and a
           GPT-2-medium-sized random checkpoint
+  un      inference of models with fused Unified Normalization vs their LayerNorm originals and
+          the no-norm floor (ViT-Ti/16 and a small GPT-2; --batches, default 1,8)
 
 on a GPU (one command each):
   normfold bench ops --device cuda     Triton kernels vs F.layer_norm / F.rms_norm /
@@ -32,7 +34,7 @@ on a GPU (one command each):
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="run benchmark suites (CSV + markdown + PNG)", description=DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", choices=["ops", "model", "e2e", "convert"], help="which suite")
+    p.add_argument("suite", choices=list(SUITES), help="which suite")
     p.add_argument("model", nargs="?", metavar="MODEL", help="model for the 'model' suite (default: bundled)")
     p.add_argument("--out", default="benchmarks", metavar="DIR", help="output directory (default: ./benchmarks)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and rounds (a smoke run)")
@@ -42,7 +44,8 @@ def add_parser(sub) -> None:
     p.add_argument("--compile", action="store_true", help="e2e: also time every variant under torch.compile")
     p.add_argument("--models", type=_csv, metavar="M,..", help="e2e: subset of vit-tiny, vit-small, vit-base, "
                    "vit-large, vit-huge, gpt3-small, gpt3-medium")
-    p.add_argument("--batches", type=_csv_int, metavar="B,..", help="e2e: ViT batch sizes (default 1,16,64)")
+    p.add_argument("--batches", type=_csv_int, metavar="B,..", help="e2e: ViT batch sizes (default 1,16,64); "
+                   "un: batch sizes (default 1,8)")
     p.add_argument("--dtypes", type=_csv, metavar="D,..", help="e2e: float32, bfloat16, float16 (CPU or GPU), "
                    "amp-bf16, amp-fp16 (GPU autocast)")
     p.add_argument("--eager", action="store_true", help="ops --device cuda: time eager launches (with Python "
@@ -61,43 +64,54 @@ def _csv_int(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def _run_gpu_or_new_suite(args):
-    """The suites of issue 5's GPU half: ops on CUDA, e2e, convert. None if `args` is not one."""
+def _ops(args):
     progress = not args.quiet
-    if args.suite == "ops" and args.device != "cpu":
+    if args.device != "cpu":
         from ..bench import ops_gpu
 
         return ops_gpu.run(args.out, quick=args.quick, rounds=args.rounds, progress=progress, device=args.device,
                            graphs=not args.eager)
-    if args.suite == "e2e":
-        from ..bench import e2e
+    from ..bench import ops
 
-        return e2e.run(args.out, device=args.device, quick=args.quick, rounds=args.rounds, compile=args.compile,
-                       progress=progress, models=args.models, batches=args.batches, dtypes=args.dtypes)
-    if args.suite == "convert":
-        from ..bench import convert
+    return ops.run(args.out, quick=args.quick, rounds=args.rounds or (10 if args.quick else 30), progress=progress)
 
-        return convert.run(args.out, quick=args.quick, rounds=args.rounds, progress=progress)
-    return None
+
+def _model(args):
+    from ..bench import model
+
+    kwargs = {"shapes": ((1, 64),), "dtypes": ("float32",)} if args.quick else {}
+    return model.run(args.model, args.out, rounds=args.rounds or (5 if args.quick else 40),
+                     progress=not args.quiet, **kwargs)
+
+
+def _e2e(args):
+    from ..bench import e2e
+
+    return e2e.run(args.out, device=args.device, quick=args.quick, rounds=args.rounds, compile=args.compile,
+                   progress=not args.quiet, models=args.models, batches=args.batches, dtypes=args.dtypes)
+
+
+def _convert(args):
+    from ..bench import convert
+
+    return convert.run(args.out, quick=args.quick, rounds=args.rounds, progress=not args.quiet)
+
+
+def _un(args):
+    from ..bench import un
+
+    batches = (1,) if args.quick else tuple(args.batches or (1, 8))
+    return un.run(args.out, batches=batches, rounds=args.rounds or (5 if args.quick else 10), progress=not args.quiet)
+
+
+# suite name -> runner(args) -> (rows, written paths)
+SUITES = {"ops": _ops, "model": _model, "e2e": _e2e, "convert": _convert, "un": _un}
 
 
 def run(args) -> int:
     from pathlib import Path
 
-    result = _run_gpu_or_new_suite(args)
-    if result is not None:
-        rows, paths = result
-    elif args.suite == "ops":
-        from ..bench import ops
-
-        rounds = args.rounds or (10 if args.quick else 30)
-        rows, paths = ops.run(args.out, quick=args.quick, rounds=rounds, progress=not args.quiet)
-    else:
-        from ..bench import model
-
-        rounds = args.rounds or (5 if args.quick else 40)
-        kwargs = {"shapes": ((1, 64),), "dtypes": ("float32",)} if args.quick else {}
-        rows, paths = model.run(args.model, args.out, rounds=rounds, progress=not args.quiet, **kwargs)
+    rows, paths = SUITES[args.suite](args)
     print(Path(paths["md"]).read_text())
     print("written: " + ", ".join(str(p) for p in paths.values()))
     return 0
