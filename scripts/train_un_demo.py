@@ -5,7 +5,7 @@ real and structured text. Every run starts from the same initial weights; only t
 (`normfold.un.swap_layernorms`). Offline norms are evaluated the way they are deployed: in eval
 mode, with their running statistics (which is where BN-style train/eval mismatch shows).
 
-    python scripts/train_un_demo.py                     # ~3 min on one busy CPU core
+    python scripts/train_un_demo.py                     # ~40 s on one idle CPU core
     python scripts/train_un_demo.py --methods ln un bn mabn pn --steps 200
 
 Writes docs/un-training.png and docs/un-training.json (curves, final numbers, UN filtration counts).
