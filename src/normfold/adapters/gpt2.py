@@ -23,11 +23,17 @@ GPT2_STREAM = StreamTemplate(
 )
 
 
-def _check(model) -> None:
-    if getattr(model.config, "add_cross_attention", False):
-        raise UnsupportedConversionError(
-            "GPT-2 with add_cross_attention=True reads an external encoder stream through "
-            "ln_cross_attn/crossattention; normfold's GPT-2 adapter does not describe that stream yet.")
+def refuse_cross_attention(family: str):
+    """check(): configs with add_cross_attention read an external encoder stream we do not describe."""
+
+    def check(model) -> None:
+        if getattr(model.config, "add_cross_attention", False):
+            raise UnsupportedConversionError(
+                f"{family} with add_cross_attention=True reads an external encoder stream through "
+                f"ln_cross_attn/crossattention; normfold's {family} adapter does not describe that stream. "
+                f"Convert a decoder-only {family} checkpoint instead.")
+
+    return check
 
 
 _COMMON = dict(vocab_size=97, n_positions=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
@@ -37,7 +43,7 @@ _HEADS = ("GPT2Model", "GPT2LMHeadModel", "GPT2DoubleHeadsModel", "GPT2ForSequen
 ADAPTER = template_adapter(
     "gpt2", "GPT-2", GPT2_STREAM,
     model_types=("gpt2",),
-    check=_check,
+    check=refuse_cross_attention("GPT-2"),
     capabilities=Capabilities(variants=("rmsnorm",), stock_reloadable=True),
     examples=(
         TinyExample("tied", "GPT2Config", dict(_COMMON, n_embd=24, n_layer=2, n_head=3), _HEADS),

@@ -8,28 +8,11 @@ ln_2 → mlp.c_fc; attn.c_proj and mlp.c_proj write. ln_f feeds the heads; lm_he
 
 from __future__ import annotations
 
-from ..errors import UnsupportedConversionError
-from .base import BlockTemplate, Capabilities, StreamTemplate, TinyExample, template_adapter
+from .base import Capabilities, TinyExample, template_adapter
+from .gpt2 import GPT2_STREAM, refuse_cross_attention
 
-GPT_BIGCODE_STREAM = StreamTemplate(
-    name="decoder",
-    sources=("wte", "wpe"),
-    layers="h",
-    block=BlockTemplate(
-        norms=(("ln_1", ("attn.c_attn",)), ("ln_2", ("mlp.c_fc",))),
-        writers=("attn.c_proj", "mlp.c_proj"),
-    ),
-    final_norm="ln_f",
-    final_readers=("lm_head", "score", "classifier"),
-)
-
-
-def _check(model) -> None:
-    if getattr(model.config, "add_cross_attention", False):
-        raise UnsupportedConversionError(
-            "GPT-BigCode with add_cross_attention=True reads an external encoder stream through "
-            "ln_cross_attn/crossattention; normfold's GPT-BigCode adapter does not describe that stream. "
-            "Convert a decoder-only GPT-BigCode checkpoint instead.")
+# GPT-2's module paths exactly (layouts come from the module types, so Linear vs Conv1D needs nothing).
+GPT_BIGCODE_STREAM = GPT2_STREAM
 
 
 _COMMON = dict(vocab_size=109, n_positions=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
@@ -39,7 +22,7 @@ _HEADS = ("GPTBigCodeModel", "GPTBigCodeForCausalLM", "GPTBigCodeForSequenceClas
 ADAPTER = template_adapter(
     "gpt_bigcode", "GPT-BigCode", GPT_BIGCODE_STREAM,
     model_types=("gpt_bigcode",),
-    check=_check,
+    check=refuse_cross_attention("GPT-BigCode"),
     capabilities=Capabilities(variants=("rmsnorm",), stock_reloadable=True),
     examples=(
         TinyExample("mqa-tied", "GPTBigCodeConfig", dict(_COMMON, n_embd=24, n_layer=2, n_head=4, multi_query=True),
