@@ -194,9 +194,11 @@ def _graph_targets(fn, *args):
     return out, seen
 
 
-def test_torch_compile_sees_no_graph_break():
+def test_torch_compile_sees_no_graph_break(monkeypatch):
     # fullgraph=True: the ops trace without a break, whichever path they take.
     from normfold.nn import AddRMSNorm, CRMSNorm, RMSNorm
+
+    monkeypatch.setattr(ops, "COMPILE_KERNEL_MIN_NUMEL", 0)  # these tiny inputs take the kernel path
 
     norm, cnorm, add = RMSNorm(16, bias=True), CRMSNorm(15), AddRMSNorm(16)
 
@@ -217,8 +219,10 @@ def test_torch_compile_sees_no_graph_break():
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_training_uses_kernel_gradients(dtype):
+def test_compiled_training_uses_kernel_gradients(dtype, monkeypatch):
     from normfold.nn import AddCRMSNorm, RMSNorm
+
+    monkeypatch.setattr(ops, "COMPILE_KERNEL_MIN_NUMEL", 0)
 
     torch.manual_seed(0)
     norm, add = RMSNorm(24, bias=True).to(dtype), AddCRMSNorm(23).to(dtype)
@@ -239,3 +243,14 @@ def test_compiled_training_uses_kernel_gradients(dtype):
     torch.compile(f, backend="aot_eager", fullgraph=True)(*inputs).backward()
     for t, w in zip((*inputs, *params), want):
         assert t.grad.dtype == t.dtype and rel(t.grad, w) <= 4 * TOL[dtype]
+
+
+def test_small_inputs_are_left_to_the_compiler():
+    # below COMPILE_KERNEL_MIN_NUMEL compiled code traces the reference formula (inductor fuses it)
+    small = torch.randn(4, 16)
+    _, seen = _graph_targets(lambda t: ops.rms_norm(t), small)
+    assert not any("normfold" in t for t in seen)
+    if KERNEL_ACTIVE:
+        big = torch.randn(ops.COMPILE_KERNEL_MIN_NUMEL // 256, 256)
+        _, seen = _graph_targets(lambda t: ops.rms_norm(t), big)
+        assert any("normfold.rms_norm_cpu" in t for t in seen)
