@@ -81,3 +81,20 @@ def check_backward(compressed, dtype, shape, affine, eps=1e-5, x=None):
         if got is not None:
             assert got.grad.dtype == got.dtype and got.grad.shape == got.shape
             assert rel(got.grad, want.grad) <= tol, rel(got.grad, want.grad)
+
+
+def check_finite_difference(compressed: bool) -> None:
+    """An independent check of the analytic backward: central differences of the float64 reference."""
+    x = torch.randn(2, 6, dtype=torch.float64)
+    w = torch.randn(6, dtype=torch.float64)
+    dy = torch.randn(2, 6, dtype=torch.float64)
+    ref = ref_fn(compressed)
+    xk = x.float().requires_grad_()
+    fast_fn(compressed)(xk, w.float(), None, 1e-5).backward(dy.float())
+    h, fd = 1e-6, torch.zeros_like(x)
+    for i in range(x.numel()):
+        e = torch.zeros(x.numel(), dtype=torch.float64)
+        e[i] = h
+        e = e.view_as(x)
+        fd.view(-1)[i] = ((ref(x + e, w) - ref(x - e, w)) * dy).sum() / (2 * h)
+    assert rel(xk.grad, fd) < 1e-5

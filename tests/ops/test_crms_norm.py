@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from norm_cases import AFFINES, DTYPES, SHAPES, TOL, check_backward, check_forward, needs_kernel, rel
+from norm_cases import (
+    AFFINES, DTYPES, SHAPES, TOL, check_backward, check_finite_difference, check_forward, needs_kernel, rel,
+)
 from normfold import ops
 from normfold.nn import CRMSNorm
 from normfold.ops import reference
@@ -51,18 +53,7 @@ def test_strided_compressed_slice_is_read_in_place():
 
 
 def test_finite_difference_gradient():
-    x = torch.randn(2, 6, dtype=torch.float64)
-    w = torch.randn(6, dtype=torch.float64)
-    dy = torch.randn(2, 6, dtype=torch.float64)
-    xk = x.float().requires_grad_()
-    ops.crms_norm(xk, w.float(), None, 1e-5).backward(dy.float())
-    h, fd = 1e-6, torch.zeros_like(x)
-    for i in range(x.numel()):
-        e = torch.zeros(x.numel(), dtype=torch.float64)
-        e[i] = h
-        e = e.view_as(x)
-        fd.view(-1)[i] = ((reference.crms_norm(x + e, w) - reference.crms_norm(x - e, w)) * dy).sum() / (2 * h)
-    assert rel(xk.grad, fd) < 1e-5
+    check_finite_difference(compressed=True)
 
 
 def test_module():

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from norm_cases import AFFINES, DTYPES, SHAPES, TOL, check_backward, check_forward, inputs, needs_kernel, rel
+from norm_cases import (
+    AFFINES, DTYPES, SHAPES, TOL, check_backward, check_finite_difference, check_forward, inputs, needs_kernel, rel,
+)
 from normfold import ops
 from normfold.nn import RMSNorm
 from normfold.ops import reference
@@ -108,19 +110,7 @@ def test_only_weight_gradient_requested():
 
 
 def test_finite_difference_gradient():
-    # An independent check of the analytic backward: central differences of the float64 reference.
-    x = torch.randn(2, 6, dtype=torch.float64)
-    w = torch.randn(6, dtype=torch.float64)
-    dy = torch.randn(2, 6, dtype=torch.float64)
-    xk = x.float().requires_grad_()
-    ops.rms_norm(xk, w.float(), None, 1e-5).backward(dy.float())
-    h, fd = 1e-6, torch.zeros_like(x)
-    for i in range(x.numel()):
-        e = torch.zeros(x.numel(), dtype=torch.float64)
-        e[i] = h
-        e = e.view_as(x)
-        fd.view(-1)[i] = ((reference.rms_norm(x + e, w) - reference.rms_norm(x - e, w)) * dy).sum() / (2 * h)
-    assert rel(xk.grad, fd) < 1e-5
+    check_finite_difference(compressed=False)
 
 
 def test_module_uses_kernel_and_matches_layernorm_on_zero_mean_input():
