@@ -40,6 +40,8 @@ class Structure:
     recenter_before: list[str] = field(default_factory=list)  # modules whose stream input gets a Recenter
     added_bias: list[str] = field(default_factory=list)  # modules that grew a bias parameter
     untied: list[str] = field(default_factory=list)  # parameter names given their own storage
+    # Pre-CRMSNorm: resized parameters, compress hooks, per-stream widths (normfold.compress.runtime)
+    compression: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -50,7 +52,8 @@ class Structure:
                    recenter_after=list(d.get("recenter_after", [])),
                    recenter_before=list(d.get("recenter_before", [])),
                    added_bias=list(d.get("added_bias", [])),
-                   untied=list(d.get("untied", [])))
+                   untied=list(d.get("untied", [])),
+                   compression=dict(d.get("compression", {})))
 
 
 @dataclass
@@ -71,13 +74,14 @@ class ConversionReport:
     centered_outputs: list[str] = field(default_factory=list)
     verification: dict | None = None
     seconds: dict = field(default_factory=dict)
+    size: dict = field(default_factory=dict)  # parameters and stream width, before / after
 
     @property
     def converted(self) -> list[NormRecord]:
         return self.structure.norms
 
     def to_dict(self) -> dict[str, Any]:
-        from . import __version__
+        from ._version import __version__
 
         return {
             "format_version": FORMAT_VERSION,
@@ -101,6 +105,7 @@ class ConversionReport:
             "notes": self.notes,
             "verification": self.verification,
             "seconds": self.seconds,
+            "size": self.size,
         }
 
     def to_json(self) -> str:
@@ -118,5 +123,5 @@ class ConversionReport:
             stock_reloadable=d.get("stock_reloadable", True), warnings=d.get("warnings", []),
             notes=d.get("notes", []), source=d.get("source", {}),
             centered_outputs=d.get("centered_outputs", []), verification=d.get("verification"),
-            seconds=d.get("seconds", {}),
+            seconds=d.get("seconds", {}), size=d.get("size", {}),
         )

@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor, nn
 
+from .modelinfo import working_dtype
+
 WORKING_FACTOR = 4.0
 ULP_FLOOR = 64.0
 CENTERED_OUTPUTS = ("*hidden_states[[]*[]]",)
@@ -83,8 +85,6 @@ def cast_inputs(inputs: dict, dtype: torch.dtype) -> dict:
 @torch.no_grad()
 def run_model(model: nn.Module, inputs: dict) -> dict[str, Tensor]:
     """Forward `model` on `inputs` (floats cast to its dtype) and flatten every tensor output."""
-    from .convert import working_dtype
-
     kwargs = cast_inputs(inputs, working_dtype(model))
     if _accepts(model, "output_hidden_states"):
         kwargs.setdefault("output_hidden_states", True)
@@ -135,6 +135,32 @@ def _center(t: Tensor) -> Tensor:
     return t - t.mean(dim=-1, keepdim=True)
 
 
+def _full_width(t: Tensor) -> Tensor:
+    t = t.double()
+    return torch.cat([t, -t.sum(dim=-1, keepdim=True)], dim=-1)
+
+
+def _zero_last(t: Tensor) -> bool:
+    return t.numel() > 0 and bool((t[..., -1] == 0).all())
+
+
+def stream_view(t: Tensor, r: Tensor) -> tuple[Tensor, Tensor]:
+    """A residual-stream output of a Pre-CRMSNorm model is its first d−1 coordinates (the last is
+    −Σ others), or, zero-padded, d coordinates whose last is held at 0: bring either side back to
+    the full zero-mean stream before comparing. Other outputs are returned unchanged."""
+    if t.dim() == 0 or r.dim() == 0 or t.shape[:-1] != r.shape[:-1]:
+        return t, r
+    if t.shape[-1] + 1 == r.shape[-1]:
+        return _full_width(t), r
+    if r.shape[-1] + 1 == t.shape[-1]:
+        return t, _full_width(r)
+    if t.shape[-1] == r.shape[-1] and t.shape[-1] > 1 and _zero_last(t) != _zero_last(r):
+        if _zero_last(t):
+            return _full_width(t[..., :-1]), r
+        return t, _full_width(r[..., :-1])
+    return t, r
+
+
 def diff_outputs(test: dict[str, Tensor], ref: dict[str, Tensor], skip=(), centered=CENTERED_OUTPUTS) -> list[TensorDiff]:
     """Per-output differences of `test` against `ref`; outputs missing from `test` count as infinite."""
     skipped = _resolve_skip(list(ref), skip)
@@ -147,6 +173,7 @@ def diff_outputs(test: dict[str, Tensor], ref: dict[str, Tensor], skip=(), cente
             diffs.append(TensorDiff(name, float("inf"), float("inf"), 0.0))
             continue
         if _is_centered(name, centered):
+            t, r = stream_view(t, r)
             diffs.append(TensorDiff.of(name + " (centred)", _center(t), _center(r)))
         else:
             diffs.append(TensorDiff.of(name, t, r))
@@ -181,7 +208,6 @@ def verify_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *
     """Run the checks described in the module docstring. `reconvert(model_fp64) -> converted_fp64`
     re-applies the conversion in float64 (None for conversions that are not output-equivalent); it
     receives a private float64 copy of the original and may convert it in place."""
-    from .convert import working_dtype
 
     dtype = working_dtype(converted)
     was_training = original.training
@@ -237,7 +263,6 @@ def compare_models(reference: nn.Module, candidate: nn.Module, inputs: dict, *, 
     Without the conversion recipe there is no exact float64 re-conversion: the float64 check runs
     the candidate's stored weights in float64, so it includes their rounding to the stored dtype;
     its tolerance is therefore 1024 ulp of that dtype (1e-9 for float64 checkpoints)."""
-    from .convert import working_dtype
 
     stored = working_dtype(candidate)
     tol = max(1e-9, 1024 * _eps(stored))
