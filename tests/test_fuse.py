@@ -250,3 +250,57 @@ def test_fold_into_writer_against_brute_force():
     w, b = fold_into_writer(W, None, torch.tensor([2.0, 3.0]), torch.tensor([1.0, -1.0]), out_dim=1)
     assert rel_err(x @ w + b, (x @ W) * torch.tensor([2.0, 3.0]) + torch.tensor([1.0, -1.0])) < 1e-6
     assert b.dtype == torch.float32
+
+
+# ---- fusion without example inputs (issue 13) ------------------------------------------------------------
+
+class CustomPreNorm(nn.Module):
+    """A custom module normfold cannot make inputs for: x + fc2(gelu(fc1(norm1(x)))); norm2 read by a head
+    and also returned (a functional consumer); norm3 after a linear writer whose output feeds only it."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2, self.norm3 = UnifiedNorm(6, M=2), UnifiedNorm(6, M=2), UnifiedNorm(8, M=2)
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 6)
+        self.head = nn.Linear(6, 4)
+        self.up = nn.Linear(6, 8)
+        self.act = nn.GELU()
+
+    def forward(self, x):
+        x = x + self.fc2(self.act(self.fc1(self.norm1(x))))
+        h = self.norm2(x)
+        return self.head(h), h, self.act(self.norm3(self.up(x)))
+
+
+def test_fusion_without_inputs_folds_per_site_and_checks_each_site():
+    torch.manual_seed(0)
+    model = CustomPreNorm()
+    _set_statistics(model)
+    with pytest.raises(normfold.NormfoldError):
+        normfold.fuse.example_inputs(model)  # nothing to build inputs from: the per-site path is taken
+    fused, report = normfold.fuse_offline_norms(model.double())
+    assert model.training  # the original keeps its mode; compare in eval mode below
+    model.eval()
+    by = {f["name"]: f for f in report.fused}
+    assert by["norm1"]["into"] == ["fc1"] and by["norm1"]["direction"] == "following"
+    assert by["norm3"]["into"] == ["up"] and by["norm3"]["direction"] == "preceding"
+    assert [k["name"] for k in report.kept] == ["norm2"] and "the model output" in report.kept[0]["reason"]
+    v = report.verification
+    assert v["scope"] == "per-site" and v["passed"] and {s["name"] for s in v["sites"]} == {"norm1", "norm3"}
+    assert all(s["max_rel_error"] <= 1e-12 for s in v["sites"])
+    # the model-level truth, checked independently here
+    x = torch.randn(3, 5, 6, dtype=torch.float64)
+    with torch.no_grad():
+        for a, b in zip(fused(x), model(x)):
+            assert rel_err(a, b) <= 1e-12
+
+
+def test_per_site_check_catches_a_wrong_fold():
+    torch.manual_seed(0)
+    model = CustomPreNorm().double()
+    _set_statistics(model)
+    bad = normfold.fuse.Decision("norm1", "following", ("fc2",), "test")  # fc2 does not read norm1
+    with pytest.raises(Exception):
+        normfold.fuse.check_site(model, bad)  # shapes do not even match: 6 features into an 8-input layer
+    good = normfold.fuse.Decision("norm1", "following", ("fc1",), "test")
+    assert normfold.fuse.check_site(model, good) <= 1e-12

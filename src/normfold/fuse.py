@@ -65,6 +65,7 @@ class Flow:
     readers: list[str] = field(default_factory=list)  # leaf modules that received the norm's output
     preceding: set = field(default_factory=set)  # producers of its input (None: not a module output)
     calls: int = 0
+    other: str = ""  # a non-module consumer of its output the static trace saw ("" = none seen)
 
 
 @dataclass
@@ -139,6 +140,67 @@ def trace(model: nn.Module, inputs: dict, norms: list[str]) -> Trace:
     return Trace(flows, dict(sources), dict(consumers))
 
 
+class _LeafTracer(torch.fx.Tracer):
+    """fx tracer that keeps every leaf module and every offline norm as one call (no inputs needed)."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, OfflineNorm) or next(m.children(), None) is None or super().is_leaf_module(m, qualname)
+
+
+def static_trace(model: nn.Module, norms: list[str]) -> Trace:
+    """The same dataflow as `trace`, read from a symbolic (fx) trace: no inputs, no forward pass. Unlike the
+    hooks, it also sees functional consumers (a residual add, a returned tensor), so a norm whose output
+    or input goes anywhere but modules is not folded that way. Raises when the model is not traceable."""
+    graph = _LeafTracer().trace(model)
+    flows = {n: Flow() for n in norms}
+    sources, consumers = defaultdict(set), defaultdict(set)
+    modules = dict(model.named_modules())
+
+    def through(node):  # skip pass-through modules (dropout, identity) backwards
+        while node.op == "call_module" and isinstance(modules.get(node.target), PASS_THROUGH) and node.args:
+            node = node.args[0]
+        return node
+
+    def users(node):  # skip pass-through modules forwards
+        for u in node.users:
+            if u.op == "call_module" and isinstance(modules.get(u.target), PASS_THROUGH):
+                yield from users(u)
+            else:
+                yield u
+
+    for node in graph.nodes:
+        if node.op != "call_module":
+            continue
+        name = str(node.target)
+        for a in node.all_input_nodes:
+            a = through(a)
+            src = str(a.target) if a.op == "call_module" else ""
+            sources[name].add(src if src in flows else "")
+            if src:
+                consumers[src].add(name)
+        if name in flows:
+            flow = flows[name]
+            flow.calls += 1
+            inp = through(node.args[0]) if node.args else None
+            producer = str(inp.target) if inp is not None and inp.op == "call_module" else None
+            if producer is not None and algebra.layout_of(modules[producer]) is None:
+                producer = None
+            flow.preceding.add(producer)
+            for u in users(node):
+                if u.op == "call_module":
+                    if str(u.target) not in flow.readers:
+                        flow.readers.append(str(u.target))
+                elif not flow.other:
+                    flow.other = "the model output" if u.op == "output" else f"{u.op} {u.target}"
+    # a producer whose output also goes to a function (not a module) has a consumer the hooks never see
+    for node in graph.nodes:
+        if node.op == "call_module" and algebra.layout_of(modules.get(str(node.target))) is not None:
+            for u in users(node):
+                if u.op != "call_module":
+                    consumers[str(node.target)].add(f"<{u.op} {u.target}>")
+    return Trace(flows, dict(sources), dict(consumers))
+
+
 # ---- deciding where each norm goes --------------------------------------------------------------------
 
 def plan_sites(model: nn.Module) -> dict:
@@ -163,6 +225,8 @@ def _following(model: nn.Module, name: str, flow: Flow, tr: Trace, site) -> tupl
         return (), "", "the example forward never called it"
     if not flow.readers:
         return (), "", "no module reads its output (it is returned, or goes to a non-module operation)"
+    if flow.other:
+        return (), "", f"its output also goes to {flow.other}, not a module"
     nonlinear = [r for r in flow.readers if not algebra.is_linear_reader(model.get_submodule(r))]
     if nonlinear:
         kinds = ", ".join(f"{r} ({type(model.get_submodule(r)).__name__})" for r in nonlinear[:3])
@@ -323,6 +387,81 @@ def _demote_failures(original: nn.Module, decisions: list[Decision], inputs: dic
     return out
 
 
+def _site_input(module: nn.Module, features: int, generator: torch.Generator) -> Tensor:
+    return torch.randn(3, 5, features, generator=generator, dtype=torch.float64)
+
+
+def check_site(original: nn.Module, decision: Decision, seed: int = 0) -> float:
+    """Float64 relative error of one fused site on random inputs of that site's shape (no model inputs):
+    following: readers(norm(x)) against the fused readers(x); preceding: norm(writer(x)) against the fused
+    writer(x). Random inputs exercise every direction, so an exact fold gives ~1e-16."""
+    orig = copy.deepcopy(original).to(torch.float64).eval()
+    fused = copy.deepcopy(orig)
+    apply_decisions(fused, [decision])
+    g = torch.Generator().manual_seed(seed)
+    norm_o, norm_f = orig.get_submodule(decision.name), fused.get_submodule(decision.name)
+    errs = []
+    with torch.no_grad():
+        if decision.action == "following":
+            x = _site_input(norm_o, norm_o.num_features, g)
+            for path in decision.into:
+                ref = orig.get_submodule(path)(norm_o(x))
+                got = fused.get_submodule(path)(norm_f(x))
+                errs.append(((got - ref).abs().max() / ref.abs().max().clamp_min(1e-300)).item())
+        else:
+            (path,) = decision.into
+            writer_o = orig.get_submodule(path)
+            lay = algebra.layout_of(writer_o)
+            x = _site_input(writer_o, getattr(writer_o, lay.weight).shape[lay.in_dim], g)
+            ref = norm_o(writer_o(x))
+            got = norm_f(fused.get_submodule(path)(x))
+            errs.append(((got - ref).abs().max() / ref.abs().max().clamp_min(1e-300)).item())
+    return max(errs, default=0.0)
+
+
+def _fuse_per_site(model: nn.Module, norms: list[str], *, inplace: bool, verify: bool, fp64_tol: float,
+                   fold_final: bool, use_plan: bool) -> tuple[nn.Module, FusionReport]:
+    """No inputs and none to make: decide from a symbolic trace, fold each norm locally, check each site."""
+    try:
+        tr = static_trace(model, norms)
+    except Exception as exc:  # fx raises many types on untraceable code
+        raise NormfoldError(
+            f"normfold cannot make example inputs for {type(model).__name__} and cannot trace it symbolically "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); pass inputs={{...}} "
+            "(keyword arguments of its forward) to fuse_offline_norms") from None
+    sites = plan_sites(model) if use_plan else {}
+    decisions = decide(model, tr, sites, fold_final)
+    report = FusionReport()
+    checked = []
+    if verify:
+        out = []
+        for d in decisions:
+            if d.action != "keep":
+                err = check_site(model, d)
+                checked.append({"name": d.name, "into": list(d.into), "max_rel_error": err, "passed": err <= fp64_tol})
+                if not err <= fp64_tol:
+                    d = Decision(d.name, "keep", reason=f"fusing it into {', '.join(d.into)} changed that site's "
+                                                        f"output (float64 relative error {err:.1e})")
+            out.append(d)
+        decisions = out
+    target = model if inplace else copy.deepcopy(model)
+    report.untied, report.added_bias = apply_decisions(target, decisions)
+    target.eval()
+    if verify:
+        worst = max((c["max_rel_error"] for c in checked if c["passed"]), default=0.0)
+        report.verification = {"performed": True, "scope": "per-site", "dtype": "float64", "fp64_tol": fp64_tol,
+                               "passed": True, "max_rel_error": worst, "sites": checked}
+    report.notes.append("no inputs: each fused site was checked alone on random float64 inputs of its shape; "
+                        "pass inputs= for a model-level check")
+    for d in decisions:
+        if d.action == "keep":
+            report.kept.append({"name": d.name, "reason": d.reason})
+        else:
+            report.fused.append({"name": d.name, "into": list(d.into), "direction": d.action,
+                                 "source": "adapter plan" if d.source == "adapter plan" else "static trace"})
+    return target, report
+
+
 def fuse_offline_norms(model: nn.Module, inputs: dict | None = None, *, inplace: bool = False,
                        fold_final: bool = True, verify: bool = True, use_plan: bool = True,
                        fp64_tol: float = 1e-9) -> tuple[nn.Module, FusionReport]:
@@ -330,6 +469,9 @@ def fuse_offline_norms(model: nn.Module, inputs: dict | None = None, *, inplace:
     linear layer, in eval mode. Returns (fused model in eval mode, report of what was fused, what
     was kept and why, and the verification: float64 relative error ≤ `fp64_tol` and the error in
     the working dtype). `inputs`: forward kwargs for the trace and the check (default: examples).
+    A module normfold cannot make inputs for (a custom nn.Module) is fused without any: its dataflow comes
+    from a symbolic trace, each norm is folded locally and each fused site is checked alone on random
+    float64 inputs of its shape (`verification["scope"] == "per-site"`).
 
     fold_final: also fold final norms (adapter plan's `final`) into the heads; the model's returned
         final hidden state is then the un-normalized stream (logits are unchanged).
@@ -341,7 +483,14 @@ def fuse_offline_norms(model: nn.Module, inputs: dict | None = None, *, inplace:
     was_training = model.training
     model.eval()
     if inputs is None:
-        inputs = example_inputs(model)
+        try:
+            inputs = example_inputs(model)
+        except NormfoldError:  # a custom module: fold per site from a symbolic trace, check each site
+            target, report = _fuse_per_site(model, norms, inplace=inplace, verify=verify, fp64_tol=fp64_tol,
+                                            fold_final=fold_final, use_plan=use_plan)
+            if was_training and not inplace:
+                model.train()
+            return target, report
     original = copy.deepcopy(model) if verify else model  # the unfused reference for the checks
     sites = plan_sites(model) if use_plan else {}
     decisions = decide(model, trace(model, inputs, norms), sites, fold_final)

@@ -125,3 +125,22 @@ def test_load_restores_the_recenter(tmp_path):
     assert has_input_recenter(loaded.model.encoder.layers[0])
     a, b = run_flat(loaded, INPUTS), run_flat(conv, INPUTS)
     assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_encoder_self_attention_norms_keep_no_affine():
+    """k_proj has no bias, yet β folds: its term βW_k is the same for every key of a query and the softmax
+    drops it (issue 13). Every encoder self-attention norm ends without γ and β, still exact."""
+    model = make()
+    plan = get_adapter("whisper").plan(model)
+    sites = [s for s in plan.streams[0].norms if s.path.endswith("self_attn_layer_norm")]
+    assert [s.beta_cancels for s in sites] == [(f"model.encoder.layers.{i}.self_attn.k_proj",) for i in range(2)]
+    assert model.model.encoder.layers[0].self_attn.k_proj.bias is None
+    conv, report = normfold.convert(model)
+    for i in range(2):
+        ln = conv.model.encoder.layers[i].self_attn_layer_norm
+        assert isinstance(ln, RMSNorm) and ln.weight is None and ln.bias is None
+        assert conv.model.encoder.layers[i].self_attn.k_proj.bias is None  # nothing grew
+    assert report.structure.added_bias == [] and report.verification["fp64"]["max_rel_error"] <= 1e-9
+    ref, got = run_flat(model, INPUTS), run_flat(conv, INPUTS)
+    for k in ("logits", "encoder_last_hidden_state"):
+        assert rel_err(got[k], ref[k]) <= 1e-9, k

@@ -173,8 +173,10 @@ def _outputs(model, ids):
                          ids=["untied", "tied", "deeper"])
 def test_analysis_plan_converts_a_model_without_adapter_exactly(kw):
     model = build(PreLN, **kw)
-    with pytest.raises(normfold.errors.UnsupportedModelError):
-        normfold.convert(model)  # no adapter for this class
+    with pytest.raises(normfold.errors.NormfoldError, match="pass them yourself"):
+        normfold.convert(model)  # no adapter for this class, and no config to make inputs from
+    _, auto = normfold.convert(model, inputs=IDS)  # the analysis' plan, traced on these inputs (issue 13)
+    assert auto.adapter == "analysis" and auto.verification["passed"]
     report = analyze(model, IDS)
     conv, crep = normfold.convert(model, adapter=report.to_adapter())
     assert crep.to_dict()["layernorms"]["converted"] == 5 + 2 * (kw.get("layers", 2) - 2)

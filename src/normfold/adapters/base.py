@@ -29,11 +29,16 @@ class NormSite:
     the stream, or a model output): the affine then stays in the RMSNorm.
     `final`: the output is a model output (last_hidden_state, ...); its affine is kept unless the
     user asks to fold the final norm into the heads.
+    `beta_cancels`: bias-less readers whose share of β drops out exactly (see the field).
     """
 
     path: str
     readers: tuple[str, ...] = ()
     final: bool = False
+    # Readers without a bias whose constant contribution βW provably cancels (key projections read only
+    # by q·kᵀ → softmax over keys: q·(βW) is the same for every key of a query). γ folds into them and
+    # β's term is dropped, so β need not stay in the norm for want of a bias to absorb it.
+    beta_cancels: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,10 @@ class StreamPlan:
     # Modules whose stream input must be recentred explicitly (a forward pre-hook): the stream is
     # built by functional code with no module to hook after (Whisper: conv -> F.gelu -> + positions).
     recenter_before: list[str] = field(default_factory=list)
+    # Scale folding (LayerScale): (writer path, multiplier parameter path) pairs. Before centring, the
+    # writer absorbs the per-channel multiplier applied to its output (W ← W·diag(λ), b ← b⊙λ) and the
+    # multiplier becomes 1, so the module still exists (stock-reloadable) and computes the same thing.
+    scale_folds: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass

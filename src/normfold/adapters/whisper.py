@@ -64,6 +64,16 @@ DECODER = StreamTemplate(
 )
 
 
+def _keys_cancel_beta(site: NormSite) -> NormSite:
+    """The encoder self-attention k_proj has no bias: β's term βW_k adds the same vector to every key, so
+    q·(βW_k) is constant along each softmax row (no RoPE, no key norm; the encoder's mask, if any, is
+    additive) and is dropped: γ and β fold into q/k/v and the norm keeps no affine."""
+    if not site.path.endswith("self_attn_layer_norm"):
+        return site
+    keys = tuple(r for r in site.readers if r.endswith("self_attn.k_proj"))
+    return NormSite(site.path, site.readers, final=site.final, beta_cancels=keys)
+
+
 def cross_attention_readers(model: nn.Module, decoder: str | None) -> tuple[str, ...]:
     """Every decoder layer's cross-attention key/value projection reads the encoder's final norm."""
     if decoder is None:
@@ -78,6 +88,7 @@ def whisper_plan(model: nn.Module) -> ConversionPlan:
     decoder = module_path(model, "WhisperDecoder")
     if encoder is not None:
         stream = expand_at(ENCODER, model, encoder)
+        stream.norms = [_keys_cancel_beta(site) for site in stream.norms]
         stream.recenter_before.append(join(encoder, "layers.0"))
         readers = cross_attention_readers(model, decoder) + tuple(r for r in ("projector",) if present(model, r))
         stream.norms.append(NormSite(join(encoder, "layer_norm"), readers, final=True))

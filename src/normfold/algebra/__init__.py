@@ -1,5 +1,14 @@
 """Pure functions on tensors: center writers, fold affines, compress/decompress, fuse offline norms."""
 
+from .ccwt import (
+    RECURRENT_GATES,
+    center_conv_writer,
+    center_grouped,
+    center_recurrent,
+    fold_affine_conv,
+    grouped_writer_exact,
+    is_conv_reader,
+)
 from .layouts import Layout, is_linear_reader, layout_of, register_layout
 from .offline import fold_into_writer, offline_affine
 from .tensors import (
@@ -11,10 +20,13 @@ from .tensors import (
     decompress_writer,
     fold_affine,
     fold_offline_norm,
+    scale_writer,
 )
 
 __all__ = [
+    "center_grouped", "center_conv_writer", "grouped_writer_exact", "fold_affine_conv", "is_conv_reader",
+    "center_recurrent", "RECURRENT_GATES",
     "Layout", "layout_of", "register_layout", "is_linear_reader",
-    "center", "center_writer", "fold_affine", "compress_reader", "compress_writer",
+    "center", "center_writer", "scale_writer", "fold_affine", "compress_reader", "compress_writer",
     "decompress_reader", "decompress_writer", "fold_offline_norm", "offline_affine", "fold_into_writer",
 ]

@@ -32,6 +32,24 @@ def center_writer(weight: Tensor, bias: Tensor | None, out_dim: int) -> tuple[Te
     return new_w, new_b
 
 
+def scale_writer(weight: Tensor, bias: Tensor | None, scale: Tensor,
+                 out_dim: int) -> tuple[Tensor, Tensor | None]:
+    """Fold a per-channel multiplier applied to a writer's output into the writer (scale folding:
+    LayerScale y = (xW + b)·λ = x·W diag(λ) + b⊙λ). `scale` has one entry per output feature (any
+    shape with that many elements) or is a scalar. Returns (W', b'); no bias is created."""
+    lam = _f64(scale).reshape(-1)
+    n = weight.shape[out_dim]
+    if lam.numel() == 1:
+        lam = lam.expand(n)
+    if lam.numel() != n:
+        raise ValueError(f"scale has {lam.numel()} entries, the writer {n} outputs")
+    shape = [1] * weight.dim()
+    shape[out_dim] = n
+    new_w = (_f64(weight) * lam.reshape(shape)).to(weight.dtype)
+    new_b = None if bias is None else (_f64(bias) * lam.reshape(bias.shape)).to(bias.dtype)
+    return new_w, new_b
+
+
 def fold_affine(weight: Tensor, bias: Tensor | None, gamma: Tensor | None, beta: Tensor | None,
                 in_dim: int) -> tuple[Tensor, Tensor | None]:
     """Fold a norm's output affine γ⊙n + β into a linear reader of that norm.

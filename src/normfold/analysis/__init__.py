@@ -17,7 +17,7 @@ from typing import Callable
 
 from torch import nn
 
-from ..convert import working_dtype
+from ..modelinfo import working_dtype
 from ..verify import cast_inputs
 from .graph import Graph
 from .propagate import Options, Propagation
@@ -70,6 +70,7 @@ def analyze(model: nn.Module, inputs=None, *, center_embeddings: bool = True, re
     prop = Propagation(graph, model, opts).run()
     report = build_report(prop, model, graph.output_names)
     report.inputs = inputs
+    report.graph = graph  # reusable for another option set (not serialized)
     report.seconds.update(trace=round(t1 - t0, 3), analyze=round(time.perf_counter() - t1, 3))
     return report
 

@@ -19,13 +19,31 @@ never checks whether a writer's output reaches anything but norms; both are fixe
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
 from .. import algebra
 from .graph import Graph, Node
-from .rules import ABSORBED, Cause, Meta, NormRule, NotZeroMean, WriterRule, ZeroMean, not_zero_mean, rule_for
+from .rules import (
+    ABSORBED,
+    Cause,
+    Dropout,
+    GetItem,
+    Meta,
+    Mix,
+    NormRule,
+    NotZeroMean,
+    Scale,
+    Structural,
+    Sum,
+    WriterRule,
+    ZeroMean,
+    dim_arg,
+    not_zero_mean,
+    rule_for,
+)
+from .rules import _same as _same_axis
 
 SOURCE_KINDS = ("input", "param", "buffer", "constant", "get_attr")
 STREAM_OUTPUTS = ("*last_hidden_state",)
@@ -70,6 +88,11 @@ class WriterCall:
     module: str
     own_edges: frozenset = frozenset()  # (user name, position) edges of its parameters it accounts for
     problem: str | None = None
+    # Scale folding: the writing op when `node` is a multiplier after it (LayerScale λ: y = (xW + b)·λ),
+    # and the multiplier parameters folded into the writer before centring (W ← W·diag(λ), λ ← 1).
+    writer: Node | None = None
+    scales: tuple[str, ...] = ()
+    own_scale_pos: int = 1
 
 
 @dataclass
@@ -83,6 +106,7 @@ class WriterInfo:
     tied_with: list[str] = field(default_factory=list)
     outputs: frozenset[int] = frozenset()
     calls: int = 1
+    scales: tuple[str, ...] = ()  # per-channel multipliers folded into it first (LayerScale)
 
 
 @dataclass
@@ -93,6 +117,7 @@ class NormCall:
     reader_problem: str | None  # why the affine cannot move into the readers (None: it can)
     final: bool  # the output (also) leaves the model
     reader_ops: list[Node] = field(default_factory=list)
+    beta_cancels: list[str] = field(default_factory=list)  # bias-less readers whose β term cancels
 
 
 class Propagation:
@@ -149,11 +174,16 @@ class Propagation:
 
     # ---- pass 1: writers --------------------------------------------------------------------------------
     def find_writers(self) -> None:
+        claimed: set[str] = set()  # multiplier parameters folded into a writer
         for node in self.graph.nodes:
             rule = rule_for(node)
             if isinstance(rule, WriterRule):
-                self.calls[node.name] = self._writer_call(node, rule)
-            elif node.op == "param":
+                call = self._scaled(self._writer_call(node, rule))
+                self.calls[call.node.name] = call
+                if call.writer is not None:
+                    claimed.add(call.node.arg(call.own_scale_pos).name)
+        for node in self.graph.nodes:
+            if node.op == "param" and node.name not in claimed:
                 edges = self._value_edges(node)
                 if edges:
                     self.calls[node.name] = self._param_writer(node, edges)
@@ -197,6 +227,47 @@ class Propagation:
                           problem="its weight is not held by a module normfold knows how to centre "
                                   "(register its layout with normfold.algebra.register_layout)")
 
+    def _scaled(self, call: WriterCall) -> WriterCall:
+        """Scale folding (LayerScale, DeiT-III/CaiT γ, a learned per-channel residual scale): when the
+        writer's output goes only (through eval dropout / aliases) into `y * λ` with λ a parameter that
+        varies along the output axis only and is used nowhere else, the product is the writer's output
+        with W ← W·diag(λ), b ← b⊙λ: fold λ in (λ ← 1) and centre the product. Scalars need no folding
+        (a per-row scale keeps zero mean)."""
+        if call.problem or not call.paths:
+            return call
+        cur, axis = call.node, call.axis
+        for _ in range(8):
+            if len(cur.users) != 1:
+                return call
+            user = cur.users[0]
+            if user.op == "mul":
+                break
+            rule = rule_for(user)
+            if not rule.transparent or not isinstance(rule, Structural) or rule.mapper is not _same_axis:
+                return call
+            if [p for p, src in user.inputs() if src is cur] != [0] or rule.shift(user, 0, axis) != axis:
+                return call
+            cur = user
+        else:
+            return call
+        mul = cur.users[0]
+        positions = [p for p, src in mul.inputs() if src is cur]
+        if len(positions) != 1 or positions[0] not in (0, 1):
+            return call
+        pos = 1 - positions[0]
+        lam = mul.arg(pos)
+        if not _is_param(lam) or lam.value is None or lam.users != [mul] or mul.rank is None:
+            return call
+        shape = tuple(lam.value.shape)
+        if lam.value.numel() <= 1 or len(shape) > mul.rank:
+            return call
+        k = len(shape) + axis  # λ's dim aligned with the output axis (right-aligned broadcasting)
+        if k < 0 or shape[k] != lam.value.numel() or mul.shape is None or mul.shape[axis] != shape[k]:
+            return call
+        name = self._alias_for(lam, mul.module)
+        return replace(call, node=mul, writer=call.node, scales=(name,),
+                       own_edges=call.own_edges | {(mul.name, pos)}, own_scale_pos=pos)
+
     def _value_edges(self, param: Node) -> list[tuple[Node, object]]:
         """Uses of a parameter as a tensor value (not as the weight/bias/γ/β of a writer or norm)."""
         out = []
@@ -231,7 +302,10 @@ class Propagation:
     def _judge(self, key: str, calls: list[WriterCall]) -> WriterInfo:
         first = calls[0]
         info = WriterInfo(key=key, op=first.op, module=first.module, paths=first.paths, centrable=True,
-                          calls=len(calls))
+                          calls=len(calls), scales=tuple(dict.fromkeys(s for c in calls for s in c.scales)))
+        if len({c.scales for c in calls}) > 1:
+            info.problem, info.centrable = "its calls are scaled by different multipliers", False
+            return info
         problem = next((c.problem for c in calls if c.problem), None)
         if problem is None and not self.options.center_embeddings and first.op in ("embedding", "parameter"):
             problem = "embeddings are not centred (center_embeddings=False)"
@@ -259,8 +333,11 @@ class Propagation:
             if c.op == "parameter":
                 params.append(c.node)
             else:
-                rule = rule_for(c.node)
-                params += [rule.weight(c.node)[0]] + ([c.node.arg(rule.bias_pos)] if rule.bias_pos is not None else [])
+                wnode = c.writer or c.node
+                rule = rule_for(wnode)
+                params += [rule.weight(wnode)[0]] + ([wnode.arg(rule.bias_pos)] if rule.bias_pos is not None else [])
+                if c.writer is not None:
+                    params.append(c.node.arg(c.own_scale_pos))
         seen = set()
         for pnode in params:
             if not isinstance(pnode, Node) or pnode.name in seen:
@@ -421,7 +498,9 @@ class Propagation:
             if isinstance(rule_for(node), NormRule):
                 ops, problem, final = self._readers(node)
                 readers = list(dict.fromkeys(op.module for op in ops))
-                self.norm_calls.append(NormCall(node, self.states.get(node.arg(0).name), readers, problem, final, ops))
+                cancels = [op.module for op in ops if _bias_free(self.modules.get(op.module)) and self.beta_cancels(op)]
+                self.norm_calls.append(NormCall(node, self.states.get(node.arg(0).name), readers, problem, final, ops,
+                                                list(dict.fromkeys(cancels))))
         self._check_shared_readers()
 
     def _check_shared_readers(self) -> None:
@@ -429,7 +508,7 @@ class Propagation:
         calls: dict[str, int] = {}
         for n in self.graph.nodes:
             rule = rule_for(n)
-            if isinstance(rule, WriterRule) and not rule.conv and n.module:
+            if isinstance(rule, WriterRule) and n.module:
                 calls[n.module] = calls.get(n.module, 0) + 1
         reads: dict[str, list[tuple[NormCall, Node]]] = {}
         for nc in self.norm_calls:
@@ -467,6 +546,11 @@ class Propagation:
                             if user not in readers:
                                 readers.append(user)
                             continue
+                    elif isinstance(rule, WriterRule) and rule.conv and pos == rule.input_pos and \
+                            axis == rule.out_axis(user) and self._is_conv_reader(user, rule):
+                        if user not in readers:  # a conv over the norm's channels (paper 002 A.3.2)
+                            readers.append(user)
+                        continue
                     elif rule.transparent:
                         nxt = rule.shift(user, pos, axis)
                         if nxt == ABSORBED:  # metadata only (type_as's reference tensor)
@@ -476,6 +560,60 @@ class Propagation:
                             continue
                     problem = problem or f"its output also feeds {user.op} in {self.where(user)}"
         return readers, problem, final
+
+    def beta_cancels(self, reader: Node) -> bool:
+        """Whether a constant vector c added to every row of `reader`'s output (a norm's β read through it:
+        c = βW) cancels before anything sees it. True when every path leads to attention scores as the
+        keys — q·(k + c) = q·k + q·c, the same for every key of a query — and the scores reach a softmax
+        over the keys through sums (additive masks, ALiBi and relative position biases: any additive
+        term), scalings constant along the keys and rearrangements. False if the keys are rotated per
+        position (RoPE: R_j c differs per key j), normalized (QK-norm), scaled per key, returned (a
+        cache), used as values, or the scores are multiplied by something varying along the keys."""
+        stack, seen = [(reader, -2, False)], set()  # (node, axis, scores?): rows vary along axis, c does not
+        while stack:
+            node, axis, scores = stack.pop()
+            if (node.name, axis, scores) in seen:
+                continue
+            seen.add((node.name, axis, scores))
+            for user in node.users:
+                for pos, src in user.inputs():
+                    if src is not node:
+                        continue
+                    step = self._cancel_step(user, pos, axis, scores)
+                    if step is None:
+                        return False
+                    if step is not ABSORBED:
+                        stack.append((user,) + step)
+        return True
+
+    def _cancel_step(self, user: Node, pos, axis: int, scores: bool):
+        if user.op == "output":
+            return None
+        rule = rule_for(user)
+        if isinstance(rule, Meta):
+            return ABSORBED
+        if not scores:
+            if user.op == "scaled_dot_product_attention":  # (q, k, v, mask, ...): keys at 1, tokens at -2
+                return ABSORBED if pos == 1 and axis == -2 else None
+            if user.op in ("matmul", "bmm") and pos == 1 and axis == -1:  # q @ kᵀ: keys along the last dim
+                return (-1, True)
+        elif user.op in ("softmax", "_softmax", "_safe_softmax", "log_softmax") and user.rank is not None:
+            return ABSORBED if dim_arg(user.arg(1, "dim"), user.rank) == axis + user.rank else None
+        if isinstance(rule, Dropout) and rule.active(user):
+            return None
+        if isinstance(rule, (Structural, Sum, Scale, GetItem)) and not isinstance(rule, Mix):
+            nxt = rule.shift(user, pos, axis)
+            if isinstance(nxt, int) and not isinstance(nxt, bool):
+                return (nxt, scores)
+        return None
+
+    def _is_conv_reader(self, node: Node, rule: WriterRule) -> bool:
+        """A ConvNd module reading the norm over its input channels with no zero padding (so a constant β
+        input gives a constant output and folds into the bias: algebra.fold_affine_conv)."""
+        module = self.modules.get(node.module)
+        w = rule.weight(node)[0]
+        return (module is not None and algebra.is_conv_reader(module) and w is not None
+                and getattr(module, "weight", None) is w.value)
 
     def _is_linear_reader(self, node: Node, rule: WriterRule) -> bool:
         module = self.modules.get(node.module)
@@ -505,6 +643,11 @@ def _is_param(x) -> bool:
 
 def _inside(path: str, module: str) -> bool:
     return path == module or path.startswith(module + ".")
+
+
+def _bias_free(module) -> bool:
+    lay = algebra.layout_of(module) if module is not None else None
+    return lay is not None and (not lay.bias or getattr(module, lay.bias, None) is None)
 
 
 def _returns_one_tensor(module) -> bool:

@@ -27,6 +27,7 @@ class NormReport:
     readers: list[str] = field(default_factory=list)  # linear modules reading its output
     affine_foldable: bool = False  # γ/β can move into the readers (every consumer is one of them)
     affine_note: str | None = None  # why not, naming the other consumer
+    beta_cancels: list[str] = field(default_factory=list)  # bias-less readers whose β term cancels (keys)
     final: bool = False  # its output is (also) a model output
     recenter: list[str] = field(default_factory=list)  # explicit Recenters it relies on (recenter=True)
     # Norms whose output counts as zero-mean only for their current values (γ constant, β = 0): the
@@ -48,6 +49,7 @@ class WriterReport:
     problem: str | None = None
     tied_with: list[str] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
+    scales: list[str] = field(default_factory=list)  # multipliers folded into it before centring (LayerScale)
 
 
 @dataclass
@@ -65,6 +67,7 @@ class AnalysisReport:
     source: dict = field(default_factory=dict)
     seconds: dict = field(default_factory=dict)
     inputs: dict | None = field(default=None, repr=False, compare=False)  # the traced inputs (not serialized)
+    graph: object = field(default=None, repr=False, compare=False)  # the trace (not serialized)
 
     @property
     def total(self) -> int:
@@ -82,9 +85,10 @@ class AnalysisReport:
 
     # ---- serialization -------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        d = asdict(replace(self, inputs=None))
+        d = asdict(replace(self, inputs=None, graph=None))
         d.pop("inputs")
-        from .. import __version__
+        d.pop("graph")
+        from .._version import __version__
 
         return {"format_version": FORMAT_VERSION, "normfold_version": __version__,
                 "layernorms": {"total": self.total, "foldable": len(self.foldable)}, **d}
@@ -108,7 +112,7 @@ class AnalysisReport:
         """A ConversionPlan for normfold's converter: centre the writers the foldable norms rely on, fold
         each norm's affine into its readers where every consumer is linear, keep the rest with the reason."""
         by_name = {w.name: w for w in self.writers}
-        writers, recenters = [], []
+        writers, recenters, scales = [], [], []
         norms, kept = [], []
         for n in self.norms:
             if not n.module:
@@ -120,9 +124,11 @@ class AnalysisReport:
                 for path in by_name[w].paths:
                     if path not in writers:
                         writers.append(path)
+                        scales += [(path, s) for s in by_name[w].scales]
             recenters += [r for r in n.recenter if r not in recenters]
-            norms.append(NormSite(n.name, tuple(n.readers) if n.affine_foldable else (), final=n.final))
-        streams = [StreamPlan("analysis", writers=writers, norms=norms)]
+            norms.append(NormSite(n.name, tuple(n.readers) if n.affine_foldable else (), final=n.final,
+                                  beta_cancels=tuple(n.beta_cancels) if n.affine_foldable else ()))
+        streams = [StreamPlan("analysis", writers=writers, norms=norms, scale_folds=scales)]
         if recenters:  # after the norm swaps: a recentred module may itself be a converted norm
             streams.append(StreamPlan("recenter", recenter_after=recenters))
         notes = [f"plan derived by normfold.analyze ({self.tracer} trace)"]
@@ -132,6 +138,9 @@ class AnalysisReport:
         if assumed:
             notes.append(f"exact for these weights only: relies on {', '.join(assumed)} having a constant γ and "
                          "β = 0 (analyze with structural=True for a plan that holds for any values)")
+        if scales:
+            notes.append(f"{len(scales)} per-channel multiplier(s) (LayerScale) folded into their writers and set "
+                         f"to 1: {_short_list([s for _, s in scales], 2)}")
         if tied:
             notes.append(f"tied parameters untied so the writers can be centred: {', '.join(tied)}")
         return ConversionPlan(adapter="analysis", streams=streams, kept=kept, notes=notes,
@@ -178,7 +187,7 @@ def build_report(prop: Propagation, model: nn.Module, output_names: list[str | N
         info = prop.writers[key]
         report.writers.append(WriterReport(name=key, op=info.op, module=info.module, centrable=info.centrable,
                                            problem=info.problem, tied_with=list(info.tied_with),
-                                           paths=list(info.paths)))
+                                           paths=list(info.paths), scales=list(info.scales)))
     report.writers.sort(key=lambda w: prop_order(prop, w.name))
     outputs = set()
     for key in needed:
@@ -229,6 +238,7 @@ def _norm_report(prop: Propagation, name: str, calls: list[NormCall]) -> NormRep
             recenter += [r for r in sorted(s.recenters) if r not in recenter]
             assumes += [a for a in sorted(s.assumes) if a not in assumes]
     readers = list(dict.fromkeys(r for nc in calls for r in nc.readers))
+    cancels = [r for r in readers if all(r in nc.beta_cancels for nc in calls if r in nc.readers)]
     final = any(nc.final for nc in calls)
     problem = next((nc.reader_problem for nc in calls if nc.reader_problem), None)
     if not readers and problem is None and not final:
@@ -238,6 +248,7 @@ def _norm_report(prop: Propagation, name: str, calls: list[NormCall]) -> NormRep
     return NormReport(
         name=name, foldable=foldable, reason=reason, writers=writers,
         readers=readers, affine_foldable=bool(readers) and problem is None, affine_note=problem,
+        beta_cancels=cancels,
         final=final, recenter=recenter if foldable else [], assumes=assumes if foldable else [],
         module=is_module, calls=len(calls),
         eps=getattr(module, "eps", None) if is_module else node.arg(4, "eps", 1e-5),

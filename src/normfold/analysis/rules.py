@@ -314,7 +314,7 @@ def _gather(node, axis):
         return None
     if index.op in ("full_like", "full", "new_full", "zeros_like", "zeros"):  # one constant index
         return axis
-    if index.op in ("expand", "expand_as", "broadcast_to") and isinstance(index.arg(0), Node):
+    if index.op in ("expand", "expand_as", "broadcast_to", "repeat") and isinstance(index.arg(0), Node):
         base = index.arg(0)
         if base.shape is not None and len(base.shape) == index.rank and base.shape[p] == 1:
             return axis
@@ -333,6 +333,57 @@ def _unbind_like(node, axis):
     if node.op == "unbind" and d > p:
         return axis + 1
     return axis
+
+
+def _spatial(node, axis):
+    """Resampling / average pooling over the trailing k spatial dims of (N, C, *spatial): the output
+    at each position is a combination of input positions whose weights are the same for every channel
+    (interpolation, antialias filters, averaging windows), so zero mean along N or C survives and a
+    per-row shift along C stays one. Along a spatial dim (the feature axis resampled) it does not."""
+    src = node.arg(0)
+    rank = src.rank if isinstance(src, Node) else None
+    if rank is None or node.rank != rank:
+        return None
+    k = _spatial_dims(node.op, rank)
+    p = pos_axis(axis, rank)
+    return axis if 0 <= p < rank - k else None
+
+
+def _spatial_dims(op: str, rank: int) -> int:
+    for k in (1, 2, 3):
+        if f"{k}d" in op:
+            return k
+    return rank - 2  # fx's F.interpolate / avg pools: every dim after (N, C)
+
+
+def _reduce(node, axis):
+    """mean / sum over dims other than the zero-mean one (mean pooling over tokens): each output row is
+    a sum of input rows, so zero mean along the axis and per-row shifts along it survive."""
+    src = node.arg(0)
+    rank = src.rank if isinstance(src, Node) else None
+    dims = node.arg(1, "dim")
+    if rank is None or dims is None or node.rank is None:
+        return None  # a full reduction
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    if not dims:
+        return None
+    dims = sorted(dim_arg(d, rank) for d in dims)
+    p = pos_axis(axis, rank)
+    if p in dims:
+        return None
+    if node.rank == rank:  # keepdim
+        return axis
+    return p - sum(d < p for d in dims) - node.rank
+
+
+class Mix(Structural):
+    """A linear map along non-feature dims with the same weights for every channel (resampling, pooling,
+    mean over tokens): keeps the state like a structural op, but its weights need not sum to one (sum,
+    padded average pools), so a norm's affine cannot move past it: not transparent to reader search."""
+
+    kind = "mix positions"
+    doc = "linear along non-feature dims, same weights per channel: keeps the state (not along the feature dim)"
+    transparent = False
 
 
 class Dropout(Structural):
@@ -581,6 +632,13 @@ register_rule(Structural(_slice), "slice", "narrow")
 register_rule(Structural(_index), "index")
 register_rule(Structural(_gather), "gather")
 register_rule(Structural(_tensor_getitem), "tensor_getitem")
+register_rule(Mix(_spatial), "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
+              "_upsample_nearest_exact1d", "_upsample_nearest_exact2d", "_upsample_nearest_exact3d",
+              "upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d", "upsample_bicubic2d",
+              "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa", "interpolate", "upsample",
+              "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
+              "adaptive_avg_pool3d", "_adaptive_avg_pool2d", "_adaptive_avg_pool3d")
+register_rule(Mix(_reduce), "mean", "sum")
 register_rule(Dropout(), "dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout")
 register_rule(Sum(), "add", "sub", "rsub")
 register_rule(Cat(), "cat")

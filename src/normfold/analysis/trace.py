@@ -116,7 +116,7 @@ def example_inputs(model: nn.Module, seed: int = 0) -> dict:
         inputs = dict(find_adapter(model).example_inputs(model, g))
     except UnsupportedModelError:
         inputs = _generic_inputs(model, g)
-    from ..convert import working_dtype
+    from ..modelinfo import working_dtype
     from ..verify import _accepts, cast_inputs
 
     inputs = cast_inputs(inputs, working_dtype(model))  # an adapter's float inputs may be float32

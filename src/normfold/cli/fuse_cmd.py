@@ -66,7 +66,7 @@ def run(args) -> int:
     steps.start("fuse", "fusing and verifying (float64 and working dtype)")
     inputs = example_inputs(model, torch.Generator().manual_seed(args.seed))
     fused, fusion = fuse_offline_norms(model, inputs, inplace=True, fold_final=not args.keep_final)
-    from ..convert import working_dtype
+    from ..modelinfo import working_dtype
 
     report = checkpoint_report(base, fusion, str(working_dtype(fused)).replace("torch.", ""),
                                source={"model": str(args.dir), "un_source": base.source})
