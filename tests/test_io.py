@@ -155,3 +155,17 @@ def test_sequence_classification_round_trip(tmp_path):
     loaded = normfold.load(out)
     assert rel_err(logits(stock), logits(model)) < 1e-5
     assert torch.equal(logits(loaded), logits(conv))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_normfold_weights_load_bit_identical_in_their_dtype(tmp_path, dtype):
+    """A checkpoint only normfold.load can read (here Pre-CRMSNorm) comes back with exactly the saved
+    tensors: a float32 skeleton would round float64 weights before the final .to(float64)."""
+    model = tiny().to(dtype)
+    conv, report = normfold.convert(model, to="crmsnorm")
+    out = normfold.save(conv, report, tmp_path / "out")
+    assert (out / io.NORMFOLD_WEIGHTS).is_file()
+    loaded = io.load(out)
+    want = conv.state_dict()
+    for name, got in loaded.state_dict().items():
+        assert got.dtype == want[name].dtype and torch.equal(got, want[name]), name

@@ -19,12 +19,14 @@ import torch
 from torch import nn
 
 from . import algebra
-from .adapters import Adapter, ConversionPlan, NormSite, find_adapter
+from .adapters import Adapter, ConversionPlan, NormSite
 from .adapters.base import get, parent_and_leaf
 from .errors import NonFiniteWeightsError, UnsupportedConversionError
+from .modelinfo import working_dtype  # noqa: F401  (re-exported: normfold.convert.working_dtype)
 from .nn import RMSNorm
 from .nn.hooks import add_input_recenter, add_output_recenter
 from .report import ConversionReport, NormRecord, Structure
+from .verify import CENTERED_OUTPUTS, verify_conversion
 
 Progress = Callable[[str], None]
 
@@ -65,6 +67,24 @@ def register_variant(variant: Variant) -> Variant:
     return variant
 
 
+@dataclass(frozen=True)
+class ConvertedHandler:
+    """Converts models that already carry normfold norms (the reverse conversions of paper 001 App. C):
+    `source_variant(model)` says what the model is ('layernorm' = no normfold norms), `convert(model, to,
+    ...)` does it. Registered by `normfold.compress` (which imports this module), so the layers depend one
+    way: convert does not import the reverse conversions that call it."""
+
+    source_variant: Callable[[nn.Module], str]
+    convert: Callable[..., tuple]
+
+
+CONVERTED_HANDLER: dict[str, ConvertedHandler] = {}
+
+
+def register_converted_handler(handler: ConvertedHandler) -> None:
+    CONVERTED_HANDLER["handler"] = handler
+
+
 # ---- checks -----------------------------------------------------------------------------------
 
 def check_finite(model: nn.Module) -> None:
@@ -82,13 +102,6 @@ def is_layernorm(module: nn.Module) -> bool:
 
 def layernorm_names(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if is_layernorm(m)]
-
-
-def working_dtype(model: nn.Module) -> torch.dtype:
-    for p in model.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.float32
 
 
 # ---- parameter surgery ---------------------------------------------------------------------------
@@ -184,6 +197,37 @@ def center_writer(model: nn.Module, path: str) -> int:
     return 1 + (bias is not None)
 
 
+def fold_scales(model: nn.Module, pairs: list[tuple[str, str]]) -> int:
+    """Scale folding: each writer absorbs the per-channel multiplier parameter applied to its output
+    (LayerScale λ; a functional writer lists its weight and its bias as two pairs with the same λ), and
+    every multiplier becomes 1 once all are folded. Returns #tensors edited."""
+    values = {scale: get(model, scale).detach().clone() for _, scale in pairs}
+    edited = 0
+    for writer, scale in pairs:
+        lam = values[scale]
+        obj = get(model, writer)
+        if isinstance(obj, nn.Parameter):  # functional: a weight (x @ W, output = last dim) or a bias
+            _set(obj, algebra.scale_writer(obj, None, lam, obj.dim() - 1)[0])
+            edited += 1
+            continue
+        lay = algebra.layout_of(obj)
+        if lay is None:
+            raise UnsupportedConversionError(f"cannot fold {scale} into {writer}: a {type(obj).__name__} has no "
+                                             "known weight layout")
+        weight = getattr(obj, lay.weight)
+        bias = getattr(obj, lay.bias, None) if lay.bias else None
+        new_w, new_b = algebra.scale_writer(weight, bias, lam, lay.out_dim)
+        _set(weight, new_w)
+        if bias is not None:
+            _set(bias, new_b)
+        edited += 1 + (bias is not None)
+    for scale in values:
+        lam = get(model, scale)
+        _set(lam, torch.ones_like(lam))
+        edited += 1
+    return edited
+
+
 def _is_zero(t: torch.Tensor | None) -> bool:
     return t is None or not bool(t.detach().ne(0).any())
 
@@ -209,9 +253,11 @@ def swap_norm(model: nn.Module, site: NormSite, fold: bool, options: ConvertOpti
     beta = None if _is_zero(getattr(ln, "bias", None)) else ln.bias
     readers = [get(model, r) for r in site.readers]
     edited, grown = 0, []
-    fold = fold and bool(readers) and all(algebra.is_linear_reader(r) for r in readers)
+    fold = fold and bool(readers) and all(algebra.is_linear_reader(r) or algebra.is_conv_reader(r) for r in readers)
+    cancels = set(site.beta_cancels)  # bias-less readers whose β term cancels (keys before softmax)
     fold_beta = fold and beta is not None and (
-        options.allow_new_bias or all(_reader_bias(r) is not None for r in readers))
+        options.allow_new_bias or all(_reader_bias(r) is not None or p in cancels
+                                      for p, r in zip(site.readers, readers)))
     # γ alone may be folded only when no β stays behind: the norm would then have to output n + β/γ.
     fold_gamma = fold and gamma is not None and (beta is None or fold_beta)
     if fold_gamma or fold_beta:
@@ -219,8 +265,13 @@ def swap_norm(model: nn.Module, site: NormSite, fold: bool, options: ConvertOpti
             lay = algebra.layout_of(reader)
             w = getattr(reader, lay.weight)
             b = _reader_bias(reader)
-            new_w, new_b = algebra.fold_affine(w, b, gamma if fold_gamma else None,
-                                               beta if fold_beta else None, lay.in_dim)
+            drop = fold_beta and b is None and path in cancels  # βW is constant per softmax row: dropped
+            if algebra.is_conv_reader(reader):  # a conv over the norm's channels, no zero padding
+                new_w, new_b = algebra.fold_affine_conv(w, b, gamma if fold_gamma else None,
+                                                        beta if fold_beta else None, reader.groups)
+            else:
+                new_w, new_b = algebra.fold_affine(w, b, gamma if fold_gamma else None,
+                                                   beta if fold_beta and not drop else None, lay.in_dim)
             _set(w, new_w)
             edited += 1
             if new_b is not None and b is None:
@@ -246,6 +297,8 @@ def swap_norm(model: nn.Module, site: NormSite, fold: bool, options: ConvertOpti
 def _edited_params(model: nn.Module, plan: ConversionPlan, options: ConvertOptions) -> list[nn.Parameter]:
     params: list[nn.Parameter] = []
     for stream in plan.streams:
+        for w, scale in stream.scale_folds:
+            params += _params_of(model, w) + _params_of(model, scale)
         for w in stream.writers:
             params += _params_of(model, w)
         for site in stream.norms:
@@ -266,6 +319,7 @@ def apply_rmsnorm(model: nn.Module, plan: ConversionPlan, options: ConvertOption
     structure.untied = untie(model, _edited_params(model, plan, options))
     edited = 0
     for stream in plan.streams:
+        edited += fold_scales(model, stream.scale_folds)  # before centring: centre W·diag(λ), not W
         for path in stream.writers:
             edited += center_writer(model, path)
             report.centered.append(path)
@@ -293,7 +347,6 @@ register_variant(Variant("rmsnorm", "Pre-LN -> Pre-RMSNorm: zero-mean stream, La
 
 
 def centered_outputs(plan: ConversionPlan) -> tuple[str, ...]:
-    from .verify import CENTERED_OUTPUTS
 
     return tuple(CENTERED_OUTPUTS) + tuple(plan.centered_outputs)
 
@@ -333,7 +386,8 @@ def not_verified(variant: Variant, dtype: str) -> dict:
 def convert(model: nn.Module, to: str = "rmsnorm", *, keep_affine: bool = False, fold_final: bool = False,
             allow_new_bias: bool = False, adapter: Adapter | None = None, inplace: bool = False,
             verify: bool = True, inputs: dict | None = None, fp64_tol: float = 1e-9,
-            progress: Progress | None = None, variant_options: dict | None = None) -> tuple[nn.Module, ConversionReport]:
+            progress: Progress | None = None, variant_options: dict | None = None,
+            auto: bool = False) -> tuple[nn.Module, ConversionReport]:
     """Convert `model` and return (converted model in eval mode, report).
 
     The original is not modified unless `inplace=True`. With `verify=True` (default) both models
@@ -341,6 +395,10 @@ def convert(model: nn.Module, to: str = "rmsnorm", *, keep_affine: bool = False,
     dtype, and the numbers go to `report.verification`; failing verification does not raise here
     (see `report.verification["passed"]`; the CLI exits 1). A variant that is not output-exact
     (`Variant.exact` False, e.g. "un") is not verified: the report says so (`performed: false`).
+
+    Without `adapter`, the registered adapter of the model's family is used; a model without one (or any
+    model with `auto=True`) gets the plan `normfold.analyze` derives, traced on `inputs` (default: made
+    from the config's modality, see `normfold.autoplan`).
     """
     say = progress or (lambda msg: None)
     if to not in VARIANTS:
@@ -350,10 +408,22 @@ def convert(model: nn.Module, to: str = "rmsnorm", *, keep_affine: bool = False,
         raise UnsupportedConversionError(
             f"--to {to} takes no options (got {', '.join(sorted(variant_options))}); "
             f"options exist for: {', '.join(n for n, v in VARIANTS.items() if v.takes_options) or 'none'}")
+    from .compress.sizes import measure, size_report
+
+    handler = CONVERTED_HANDLER.get("handler")
+    if handler is not None and (to == "layernorm" or handler.source_variant(model) != "layernorm"):
+        # reverse conversions, paper 001 App. C
+        return handler.convert(model, to, inplace=inplace, verify=verify, inputs=inputs, fp64_tol=fp64_tol,
+                               progress=progress, variant_options=variant_options)
     options = ConvertOptions(keep_affine=keep_affine, fold_final=fold_final, allow_new_bias=allow_new_bias,
                              variant_options=dict(variant_options or {}))
     t0 = time.perf_counter()
-    adapter = adapter or find_adapter(model)
+    if adapter is None:
+        from .autoplan import resolve  # the analysis' plan when no adapter is registered (or auto=True)
+
+        adapter, analysis = resolve(model, auto=auto, inputs=inputs, progress=say)
+        if analysis is not None and inputs is not None:
+            inputs = analysis.inputs  # as traced: forward kwargs, floating inputs in the model's dtype
     if adapter.check is not None:
         adapter.check(model)
     check_finite(model)
@@ -367,18 +437,20 @@ def convert(model: nn.Module, to: str = "rmsnorm", *, keep_affine: bool = False,
     if warn:
         report.warnings.append(warn)
     original = model
+    before = measure(model)
     if inplace and verify:
         original = copy.deepcopy(model)
     target = model if inplace else copy.deepcopy(model)
     say(f"rewriting weights ({adapter.display_name} adapter, {len(plan.streams)} stream(s))")
     variant.apply(target, plan, options, report)
     target.eval()
+    target.normfold_report = report  # what the reverse conversions (compress/reverse.py) read back
+    report.size = size_report(before, target)
     report.kept = _kept_norms(original, plan, {r.name for r in report.structure.norms})
     report.seconds["convert"] = round(time.perf_counter() - t0, 3)
     if not variant.exact:
         report.verification = not_verified(variant, report.dtype)
     elif verify:
-        from .verify import verify_conversion
 
         t1 = time.perf_counter()
         say("verifying (float64 and working dtype)")

@@ -17,6 +17,8 @@ Only safetensors are written; pickles are never loaded (``weights_only=True`` in
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import json
 import os
@@ -157,7 +159,7 @@ def export_state_dict(model: nn.Module, report: ConversionReport) -> dict[str, t
 
 
 def _float_dtype(model: nn.Module) -> torch.dtype:
-    from .convert import working_dtype
+    from .modelinfo import working_dtype
 
     return working_dtype(model)
 
@@ -264,7 +266,27 @@ def apply_structure(model: nn.Module, structure: Structure) -> nn.Module:
         if getattr(module, "bias", None) is None:
             out_features = module.weight.shape[0]
             module.bias = nn.Parameter(torch.zeros(out_features, dtype=module.weight.dtype))
+    if structure.compression:  # Pre-CRMSNorm: resized writers/readers and compress hooks
+        from .compress.runtime import apply_compression
+
+        apply_compression(model, structure.compression)
     return model
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype | None):
+    previous = torch.get_default_dtype()
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _stored_dtype(state: dict) -> torch.dtype | None:
+    """float64 if any stored tensor is float64, else None (the float32 default holds bf16/fp16 exactly)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in state.values()) else None
 
 
 def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> nn.Module:
@@ -285,9 +307,12 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> nn.
     elif (path / NORMFOLD_WEIGHTS).is_file():
         from safetensors.torch import load_file
 
-        model = cls(config)
-        apply_structure(model, report.structure)
         state = load_file(str(path / NORMFOLD_WEIGHTS))
+        # build in the stored dtype: load_state_dict copies into the existing parameters, so a float32
+        # skeleton would round float64 weights before any later .to(float64)
+        with _default_dtype(_stored_dtype(state)):
+            model = cls(config)
+            apply_structure(model, report.structure)
         missing, unexpected = model.load_state_dict(state, strict=False)
         tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
         missing = [k for k in missing if k not in tied]

@@ -6,7 +6,7 @@ import argparse
 
 from .ui import Steps, sci, table
 
-HELP = "convert a model and verify it (Pre-LN -> Pre-RMSNorm)"
+HELP = "convert a model and verify it (Pre-LN -> Pre-RMSNorm / Pre-CRMSNorm, and back)"
 
 DESCRIPTION = """\
 Convert MODEL into an arithmetically equivalent model and write it to DIR.
@@ -29,6 +29,14 @@ What happens (--to rmsnorm):
 shift and eps, for fine-tuning. That changes the model's function, so nothing is verified (the report
 says so); after fine-tuning, `normfold fuse DIR --out DIR2` folds the norms into the linear layers.
 
+--to crmsnorm goes one step further (paper 001 §3.2): the zero-mean stream keeps only its first d-1
+coordinates (the last is minus the sum of the others), every writer drops its last output, every
+reader folds the dropped input into the others, and every norm becomes a CRMSNorm. --pad keeps the
+shapes d-wide with a zero last coordinate instead. Loads with normfold.load only.
+
+MODEL may also be a normfold checkpoint: --to rmsnorm decompresses a Pre-CRMSNorm one, --to layernorm
+turns a Pre-RMSNorm / Pre-CRMSNorm one back into the stock Pre-LN architecture (paper 001 App. C).
+
 The result loads with plain transformers (AutoModelForCausalLM.from_pretrained(DIR)) where the
 report says stock_reloadable, and with normfold.load(DIR) to get normfold's fast RMSNorm kernels.
 """
@@ -36,11 +44,19 @@ report says stock_reloadable, and with normfold.load(DIR) to get normfold's fast
 EPILOG = """\
 examples:
   normfold convert --out ./kjv-rms                    the bundled model
+  normfold convert ./my-dinov2 --out ./dinov2-rms     no adapter: the plan normfold analyze derives
+  normfold convert ./gpt2 --out ./gpt2-rms --auto     the derived plan although GPT-2 has an adapter
   normfold convert ./gpt2 --out ./gpt2-rms --force    replace an existing output directory
   normfold convert ./gpt2 --out ./gpt2-rms --dtype bfloat16 --json > report.json
+  normfold convert --to crmsnorm --out ./kjv-crms     Pre-CRMSNorm, d-1 stream (--pad: d, zero last)
+  normfold convert ./kjv-crms --to layernorm --out ./kjv-ln   back to the stock Pre-LN architecture
+
+A model whose family has no adapter is converted with the plan `normfold analyze` derives from a trace
+(on inputs made from its config, or --inputs FILE.safetensors); the summary lists every LayerNorm it
+converted or kept, and why.
 
 exit codes: 0 converted and verified; 1 verification failed (nothing written unless
---save-failed); 2 bad input: missing MODEL, not a model, unsupported architecture, existing DIR
+--save-failed); 2 bad input: missing MODEL, not a model, no LayerNorm that can be converted, existing DIR
 without --force (message on stderr, nothing written).
 """
 
@@ -64,9 +80,18 @@ def add_parser(sub) -> None:
                         "last hidden state then lacks the affine)")
     p.add_argument("--allow-new-bias", action="store_true",
                    help="let readers without a bias grow one to absorb the norm's shift (not stock-reloadable)")
+    p.add_argument("--pad", action="store_true",
+                   help="--to crmsnorm: keep every tensor d-wide with a zero last stream coordinate instead of d-1 "
+                        "(paper 001 §3.4.2, for hardware that handles d-1 poorly)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="option of the conversion target, repeatable (--to un: M, M_grad, warmup, alpha, "
                         "outlier_filtration; e.g. --option warmup=500)")
+    p.add_argument("--auto", action="store_true",
+                   help="use the plan derived from the analysis even when MODEL's family has an adapter "
+                        "(models without one always get it)")
+    p.add_argument("--inputs", metavar="FILE",
+                   help="trace and verify on these forward inputs: a .safetensors file, one tensor per "
+                        "keyword argument (e.g. pixel_values at another image size)")
     p.add_argument("--text", help="verify on this text (tokenized with MODEL's tokenizer) instead of random tokens")
     p.add_argument("--seed", type=int, default=0, help="seed of the random verification inputs (default 0)")
     p.add_argument("--fp64-tol", type=float, default=1e-9, metavar="TOL",
@@ -115,7 +140,6 @@ def run(args) -> int:
     import torch
 
     from .. import io
-    from ..adapters import find_adapter
     from ..convert import convert
     from ..errors import NormfoldError, VerificationFailedError
 
@@ -123,16 +147,25 @@ def run(args) -> int:
         raise NormfoldError("--out DIR is required (or --dry-run to convert and verify without writing)")
     if args.out and not args.dry_run:
         io.check_output_dir(args.out, args.force)  # fail before any work
+    options = parse_options(args.option)
+    if args.pad:
+        if args.to != "crmsnorm":
+            raise NormfoldError("--pad applies to --to crmsnorm only")
+        options["pad"] = True
     steps = Steps(total=3 if args.dry_run else 4, quiet=args.quiet)
 
     steps.start("load", f"loading {args.model or 'the bundled default model (kjv-gpt2)'}")
-    model, source = io.load_source(args.model, dtype=args.dtype)
-    adapter = find_adapter(model)
-    n_params = sum(p.numel() for p in model.parameters())
-    steps.note(f"{source['architecture']}, {n_params / 1e6:.1f} M parameters, adapter: {adapter.display_name}")
+    model, source = _load(args.model, args.dtype)
     inputs = None
     if args.text:
         inputs = _text_inputs(source["path"] or args.model, args.text)
+    if getattr(args, "inputs", None):
+        from ..autoplan import load_inputs
+
+        inputs = {**(inputs or {}), **load_inputs(args.inputs)}
+    adapter, analysis = _adapter(model, args, inputs, steps)
+    n_params = sum(p.numel() for p in model.parameters())
+    steps.note(f"{source['architecture']}, {n_params / 1e6:.1f} M parameters, adapter: {adapter.display_name}")
 
     steps.start("convert", f"converting to {args.to}")
     steps_verify = {"started": False}
@@ -146,9 +179,11 @@ def run(args) -> int:
 
     if inputs is None:
         inputs = adapter.example_inputs(model, torch.Generator().manual_seed(args.seed))
+    elif analysis is not None:
+        inputs = analysis.inputs  # the traced inputs (with the flags verify runs the model with)
     converted, report = convert(model, to=args.to, keep_affine=args.keep_affine, fold_final=args.fold_final,
                                 allow_new_bias=args.allow_new_bias, adapter=adapter, inputs=inputs,
-                                fp64_tol=args.fp64_tol, progress=progress, variant_options=parse_options(args.option))
+                                fp64_tol=args.fp64_tol, progress=progress, variant_options=options)
     report.source = source
     v = report.verification
     # A variant that is not output-exact (--to un) has nothing to verify: its report says so.
@@ -166,11 +201,68 @@ def run(args) -> int:
         print(report.to_json())
     else:
         print(summary(report, written, args))
+        if analysis is not None:
+            print(derived_summary(analysis))
     if not passed:
         raise VerificationFailedError(
             "verification failed: the converted model's outputs differ beyond tolerance (see the table above)"
             + ("" if written else "; nothing was written (use --save-failed to keep it anyway)"))
     return 0
+
+
+def _adapter(model, args, inputs, steps):
+    """The registered adapter, or (none registered / --auto) the plan derived from the analysis."""
+    from ..autoplan import resolve
+
+    auto = getattr(args, "auto", False)
+
+    def say(msg: str) -> None:
+        if msg.startswith("no adapter"):
+            steps.note(msg)
+
+    adapter, analysis = resolve(model, auto=auto, inputs=inputs, seed=args.seed, progress=say)
+    if analysis is not None:
+        n = [x for x in analysis.norms if x.module]
+        steps.note(f"{'--auto: ' if auto else 'no registered adapter: '}plan derived from the analysis "
+                   f"({analysis.tracer} trace): {sum(x.foldable for x in n)} of {len(n)} LayerNorms foldable")
+    return adapter, analysis
+
+
+def derived_summary(analysis) -> str:
+    """Which norms the derived plan converted or kept, and why (the analysis' verdicts)."""
+    from ..autoplan import describe
+
+    lines = describe(analysis)
+    head = f"\n  plan derived from the analysis ({analysis.tracer} trace, no hand-written adapter used):"
+    shown = lines[:12] + ([f"... and {len(lines) - 12} more (normfold analyze MODEL)"] if len(lines) > 12 else [])
+    return "\n".join([head] + [f"    {x}" for x in shown])
+
+
+def _load(model, dtype):
+    """MODEL: a normfold checkpoint (normfold.json: converted back with --to rmsnorm/layernorm/crmsnorm,
+    paper 001 App. C) or any Hugging Face model."""
+    from pathlib import Path
+
+    from .. import io
+
+    if model is not None and (Path(model) / io.REPORT_FILE).is_file():
+        loaded = io.load(model, dtype=None if dtype == "auto" else dtype)
+        return loaded, {"model": str(model), "architecture": type(loaded).__name__,
+                        "model_type": getattr(loaded.config, "model_type", None), "path": str(model),
+                        "normfold_variant": loaded.normfold_report.variant}
+    return io.load_source(model, dtype=dtype)
+
+
+def _size_rows(size: dict) -> list[list[str]]:
+    if not size:
+        return []
+    p = size["parameters"]
+    pct = 100 * p["change"] / p["before"] if p["before"] else 0.0
+    rows = [["parameters", f"{p['before']:,} -> {p['after']:,} ({p['change']:+,}, {pct:+.2f}%)"]]
+    w = size.get("stream_width", {})
+    if w.get("after"):
+        rows.append(["stream width", ", ".join(f"{k} {w['before'].get(k, '?')} -> {v}" for k, v in w["after"].items())])
+    return rows
 
 
 def summary(report, written, args) -> str:
@@ -190,6 +282,7 @@ def summary(report, written, args) -> str:
         ["stock reload", "yes: plain transformers loads the checkpoint" if report.stock_reloadable
          else "no: load with normfold.load (see notes)"],
     ]
+    rows += _size_rows(report.size)
     lines.append(table(rows))
     for k in ln["kept"][:10]:
         lines.append(f"  kept: {k['name']}: {k['reason']}")

@@ -1,0 +1,33 @@
+"""Pre-CRMSNorm for real checkpoints (paper 001 §3.2–3.4.2, Appendix C).
+
+- `to="crmsnorm"`: Pre-LN → Pre-RMSNorm → Pre-CRMSNorm on the (d−1)-wide stream (`convert.py`),
+  `variant_options={"pad": True}` for the zero-padded d-wide form;
+- the runtime that lets transformers' own modules run the narrower stream (`runtime.py`);
+- the reverse conversions: Pre-CRMSNorm → Pre-RMSNorm and Pre-RMSNorm → Pre-LN (`reverse.py`).
+"""
+
+from __future__ import annotations
+
+from ..convert import ConvertedHandler, Variant, register_converted_handler, register_variant
+from .convert import apply_crmsnorm, compress
+from .reverse import convert_converted, decompress, source_variant, to_layernorm
+from .runtime import StreamCRMSNorm, TiedCompressedHead, apply_compression, decompress_last
+
+register_converted_handler(ConvertedHandler(source_variant, convert_converted))
+register_variant(Variant(
+    "crmsnorm", "Pre-LN -> Pre-CRMSNorm: zero-mean stream compressed to d-1 coordinates, LayerNorm -> CRMSNorm "
+    "(exact; --pad keeps d with a zero last coordinate)", apply_crmsnorm, takes_options=True))
+
+
+
+def _only_from_converted(model, plan, options, report) -> None:  # pragma: no cover - convert() dispatches first
+    from ..errors import UnsupportedConversionError
+
+    raise UnsupportedConversionError("--to layernorm converts normfold Pre-RMSNorm / Pre-CRMSNorm models back")
+
+
+register_variant(Variant(
+    "layernorm", "Pre-RMSNorm / Pre-CRMSNorm -> Pre-LN (paper 001 App. C; the stock architecture again)",
+    _only_from_converted))
+
+__all__ = ["apply_crmsnorm", "compress", "decompress", "to_layernorm", "TiedCompressedHead", "StreamCRMSNorm", "apply_compression", "decompress_last"]

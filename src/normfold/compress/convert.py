@@ -1,0 +1,340 @@
+"""Pre-LN → Pre-CRMSNorm (`to="crmsnorm"`, paper 001 §3.2): the Pre-RMSNorm conversion, then compression.
+
+Per residual stream of the adapter's plan (all algebra float64, each tensor rounded once):
+
+1. the Pre-RMSNorm conversion (`convert.apply_rmsnorm`): writers centred, affines folded, LN → RMSNorm;
+2. the compression point: where the stream is born zero-mean. Normally that is its writers; where
+   it starts with an explicit Recenter (BLOOM's and mBART's embedding norm, CLIP's pre_layrnorm,
+   Whisper's / SigLIP 2's non-linear stem) the Recenter becomes a recentre-and-compress op and the
+   writers and the norm before it stay d-wide;
+3. writers after the point: drop the last output coordinate (`algebra.compress_writer`);
+4. norms after the point become `StreamCRMSNorm`: with no affine left (folded into readers) the
+   output stays compressed and each reader gets W ← W[:d−1] − W[d−1], last input dropped
+   (`algebra.compress_reader`); a norm that keeps γ/β (final norms: their output is a model output;
+   norms whose readers have no bias to take β) returns the decompressed d-wide γ⊙n + β and its
+   readers are unchanged;
+5. tied parameters: the rmsnorm step already untied every edited tensor (centring wte unties it
+   from lm_head), so lm_head keeps the original d-wide table and reads the decompressed final norm.
+
+Padded mode (`variant_options={"pad": True}`, `--pad`): shapes stay d; the dropped coordinate is
+zero instead (writers' last output row and bias entry, readers' last input column).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from .. import algebra
+from ..adapters import ConversionPlan, NormSite, StreamPlan
+from ..adapters.base import base_prefix, get, join, parent_and_leaf
+from ..errors import NormfoldError, UnsupportedConversionError, UnsupportedModelError
+from ..nn import RMSNorm
+from .runtime import (
+    StreamCRMSNorm,
+    add_input_compress,
+    add_input_narrow,
+    add_output_compress,
+    add_output_widen,
+    set_param,
+)
+
+_BLOCK = re.compile(r"\.\d+(\.|$)")
+OPTIONS = ("pad",)
+
+# Families whose forward reshapes the final norm's output to the stream width it measured on the
+# embeddings (`output_shape = ... + (hidden_states.size(-1),)` after the embedding dropout, then
+# `ln_f(x).view(output_shape)`). For them the compressed embedding sum is decompressed at the
+# output of that dropout (so the measured width is d) and compressed again on the way into the
+# first block: two O(d) ops per token, tables still compressed. Paths relative to the base model.
+WIDTH_AT_EMBEDDINGS: dict[str, tuple[str, str]] = {
+    "gpt2": ("drop", "h.0"),
+    "gpt_bigcode": ("drop", "h.0"),
+    "gpt_neo": ("drop", "h.0"),
+    "gptj": ("drop", "h.0"),
+}
+
+
+def _stream_width(model: nn.Module, stream: StreamPlan) -> int:
+    for site in stream.norms:
+        norm = get(model, site.path)
+        if isinstance(norm, RMSNorm):
+            return int(norm.normalized_shape[0])
+    raise UnsupportedConversionError(f"stream {stream.name!r} has no converted norm to compress around")
+
+
+def _pre_point(stream: StreamPlan) -> tuple[set[str], set[str]]:
+    """Writers and norms that act before the stream's compression point (they stay d-wide)."""
+    if not stream.recenter_after:
+        return set(), set()
+    writers: set[str] = set()
+    for w in stream.writers:
+        if _BLOCK.search(w):
+            break
+        writers.add(w)
+    return writers, set(stream.recenter_after)
+
+
+def _writer_params(model: nn.Module, path: str) -> list[tuple[str, int]]:
+    """(parameter name, axis of the stream coordinate) of a writer (module or parameter)."""
+    obj = get(model, path)
+    if isinstance(obj, nn.Parameter):
+        return [(path, -1)]
+    lay = algebra.layout_of(obj)
+    if lay is None:
+        raise UnsupportedConversionError(f"stream writer {path} is a {type(obj).__name__}, which normfold cannot "
+                                         "compress (register its layout with normfold.algebra.register_layout)")
+    out = [(f"{path}.{lay.weight}", lay.out_dim)]
+    if lay.bias and getattr(obj, lay.bias, None) is not None:
+        out.append((f"{path}.{lay.bias}", -1))
+    return out
+
+
+def _drop_or_zero(t: torch.Tensor, dim: int, pad: bool) -> torch.Tensor:
+    t = t.detach().movedim(dim, -1)
+    if pad:
+        t = torch.cat([t[..., :-1], torch.zeros_like(t[..., -1:])], dim=-1)
+    else:
+        t = t[..., :-1]
+    return t.movedim(-1, dim).contiguous()
+
+
+def compress_writer(model: nn.Module, path: str, pad: bool, record: dict | None = None) -> int:
+    n = 0
+    for name, dim in _writer_params(model, path):
+        set_param(model, name, _drop_or_zero(get(model, name), dim, pad))
+        if record is not None:
+            record[name] = dim
+        n += 1
+    return n
+
+
+def compress_reader(model: nn.Module, path: str, pad: bool, record: dict | None = None) -> None:
+    module = get(model, path)
+    lay = algebra.layout_of(module)
+    w = getattr(module, lay.weight)
+    new = algebra.compress_reader(w, lay.in_dim)  # float64 inside, rounded once
+    if pad:
+        new = algebra.decompress_reader(new, lay.in_dim)  # zero last input column
+    set_param(model, f"{path}.{lay.weight}", new)
+    if record is not None:
+        record[f"{path}.{lay.weight}"] = lay.in_dim
+
+
+def _compressed_output(site: NormSite, norm: RMSNorm, model: nn.Module, writers: set[str]) -> bool:
+    """May this norm hand its readers the compressed n' (no affine on it, linear readers)?"""
+    if site.final or norm.weight is not None:
+        return False
+    if norm.bias is not None and f"{site.path}.bias" not in writers:
+        return False
+    return all(algebra.is_linear_reader(get(model, r)) for r in site.readers)
+
+
+def compress(model: nn.Module, plan: ConversionPlan, report, pad: bool = False) -> dict:
+    """Compress every stream of an already Pre-RMSNorm `model` in place; returns the structure's
+    `compression` record (what normfold.load replays) and updates the norm records."""
+    structure = report.structure
+    records = {r.name: r for r in structure.norms}
+    shapes_before = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    streams, after, before = [], [], []
+    writer_params: dict[str, int] = {}
+    reader_params: dict[str, int] = {}
+    edited = 0
+    for stream in plan.streams:
+        d = _stream_width(model, stream)
+        pre_writers, pre_norms = _pre_point(stream)
+        writers = [w for w in stream.writers if w not in pre_writers]
+        writer_set = set(writers)
+        for w in writers:
+            edited += compress_writer(model, w, pad, writer_params)
+        n_compressed = n_decompressed = 0
+        for site in stream.norms:
+            if site.path in pre_norms:
+                continue
+            norm = get(model, site.path)
+            if not isinstance(norm, RMSNorm):
+                raise UnsupportedConversionError(f"{site.path} is a {type(norm).__name__} after the Pre-RMSNorm step")
+            squeeze = _compressed_output(site, norm, model, writer_set)
+            ref = next(norm.parameters(), None)
+            new = StreamCRMSNorm(d, eps=norm.eps, weight=norm.weight is not None, bias=norm.bias is not None,
+                                 decompress=not squeeze, pad=pad, dtype=ref.dtype if ref is not None else None)
+            with torch.no_grad():
+                if norm.weight is not None:
+                    new.weight.copy_(norm.weight)
+                if norm.bias is not None:
+                    new.bias.copy_(norm.bias)  # already compressed/zeroed when it is a stream writer
+            parent, leaf = parent_and_leaf(model, site.path)
+            setattr(parent, leaf, new)
+            rec = records.get(site.path)
+            if rec is not None:
+                rec.type = "StreamCRMSNorm"
+                rec.options = {"width": d, "decompress": not squeeze, "pad": pad}
+            if squeeze:
+                for r in site.readers:
+                    compress_reader(model, r, pad, reader_params)
+                    edited += 1
+                n_compressed += 1
+            else:
+                n_decompressed += 1
+        for path in stream.recenter_after:
+            add_output_compress(get(model, path), pad)
+            after.append(path)
+        for path in stream.recenter_before:
+            add_input_compress(get(model, path), pad)
+            before.append(path)
+        streams.append({"name": stream.name, "width_before": d, "width_after": d if pad else d - 1,
+                        "writers_compressed": len(writers), "norms_compressed_output": n_compressed,
+                        "norms_decompressed_output": n_decompressed,
+                        "compression_point": (stream.recenter_after or stream.recenter_before or ["writers"])[0]})
+    widen, narrow = [], []
+    spec = WIDTH_AT_EMBEDDINGS.get(plan.adapter)
+    if spec is not None and not pad:
+        base = base_prefix(model)
+        widen.append(join(base, spec[0]))
+        narrow.append(join(base, spec[1]))
+        add_output_widen(get(model, widen[0]))
+        add_input_narrow(get(model, narrow[0]))
+    structure.recenter_after = [p for p in structure.recenter_after if p not in after]
+    structure.recenter_before = [p for p in structure.recenter_before if p not in before]
+    shapes = {n: list(p.shape) for n, p in model.named_parameters() if shapes_before.get(n) != tuple(p.shape)}
+    report.tensors_edited += edited
+    return {"pad": pad, "streams": streams, "shapes": shapes, "compress_after": after, "compress_before": before,
+            "widen_after": widen, "narrow_before": narrow, "writer_params": writer_params,
+            "reader_params": reader_params}
+
+
+def apply_crmsnorm(model: nn.Module, plan: ConversionPlan, options, report) -> None:
+    """The `crmsnorm` variant: Pre-LN → Pre-RMSNorm → Pre-CRMSNorm, in place."""
+    from ..convert import apply_rmsnorm
+
+    opts = dict(options.variant_options or {})
+    unknown = sorted(set(opts) - set(OPTIONS))
+    if unknown:
+        raise UnsupportedConversionError(f"--to crmsnorm takes the option(s) {', '.join(OPTIONS)}; "
+                                         f"got {', '.join(unknown)}")
+    pad = bool(opts.get("pad", False))
+    on_stream = [site.path for st in plan.streams for site in st.norms
+                 if not site.readers and not site.final and _BLOCK.search(site.path)]
+    if plan.kept and on_stream:
+        raise UnsupportedConversionError(
+            f"{plan.adapter}: this configuration has Post-LN block norms whose output is the residual stream "
+            f"({on_stream[0]}, ...) next to LayerNorms that stay LayerNorms ({plan.kept[0].path}); the stream they "
+            "build is not a sum of compressible writers, so it cannot be compressed. Use --to rmsnorm.")
+    aliases = _aliases(model)
+    apply_rmsnorm(model, plan, options, report)
+    report.structure.compression = compress(model, plan, report, pad=pad)
+    report.structure.compression["tied_heads"] = retie_heads(model, plan, aliases, report.structure.compression)
+    report.stock_reloadable = False
+    width = ", ".join(f"{s['name']} {s['width_before']} → {s['width_after']}" for s in report.structure.compression["streams"])
+    report.notes.append(
+        f"Pre-CRMSNorm{' (zero-padded: shapes stay d, the last stream coordinate is held at 0)' if pad else ''}: "
+        f"stream width {width}; the checkpoint loads with normfold.load only (its stream is narrower than "
+        "config.hidden_size, or padded, which stock LayerNorms cannot read)")
+    _probe(model, pad)
+    model.normfold_report = report
+
+
+def _aliases(model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
+    """name -> (id of the shared parameter, its original values) for every tied parameter."""
+    by_id: dict[int, list[str]] = {}
+    params = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    return {n: (i, params[i].detach().clone()) for i, names in by_id.items() if len(names) > 1 for n in names}
+
+
+def retie_heads(model: nn.Module, plan: ConversionPlan, aliases: dict, compression: dict) -> list[dict]:
+    """Express a tied head exactly on the compressed table instead of keeping an untied d-wide copy.
+
+    The Pre-RMSNorm step untied the head (centring the table changed the table, not the head). When
+    the head still holds the original table (its final norm's affine was not folded into it) and
+    that table is a compressed writer of the same stream, the head becomes a TiedCompressedHead:
+    the vocab×d copy is replaced by the vocabulary's row means (vocab numbers)."""
+    from .runtime import TiedCompressedHead
+
+    pad = bool(compression.get("pad"))
+    shaped = set(compression.get("shapes", {}))
+    ties = []
+    for stream in plan.streams:
+        tables = {}
+        for w in stream.writers:
+            obj = get(model, w)
+            if isinstance(obj, nn.Embedding) and (f"{w}.weight" in shaped or pad) and f"{w}.weight" in aliases:
+                tables[aliases[f"{w}.weight"][0]] = w
+        for site in stream.norms:
+            if not site.final:
+                continue
+            for r in site.readers:
+                head = get(model, r)
+                name = f"{r}.weight"
+                if not isinstance(head, nn.Linear) or name not in aliases or aliases[name][0] not in tables:
+                    continue
+                original = aliases[name][1]
+                if not torch.equal(head.weight.detach(), original):
+                    continue  # the final norm's affine was folded into it: a different matrix now
+                table = get(model, tables[aliases[name][0]])
+                mean = original.double().mean(dim=-1).to(original.dtype)
+                new = TiedCompressedHead(table, mean, head.bias, pad=pad)
+                parent, leaf = parent_and_leaf(model, r)
+                setattr(parent, leaf, new)
+                ties.append({"head": r, "table": tables[aliases[name][0]], "bias": head.bias is not None})
+    return ties
+
+
+def _probe(model: nn.Module, pad: bool) -> None:
+    """Run the compressed model once: HF code that reads the stream width itself (a LayerNorm kept
+    on the stream of a Post-LN block, an accumulator shaped like another tensor) fails here, and
+    the user gets an UnsupportedConversionError instead of a model that cannot run."""
+    from ..adapters import find_adapter
+
+    kept: list[str] = []
+    handles = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.LayerNorm):
+            def seen(mod, args, name=name):
+                x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+                if x is not None and x.shape[-1] + 1 == mod.normalized_shape[-1]:
+                    kept.append(name)
+            handles.append(m.register_forward_pre_hook(seen))
+    try:
+        try:
+            inputs = find_adapter(model).example_inputs(model, torch.Generator().manual_seed(0))
+        except UnsupportedModelError:  # a plan derived by the analysis (issue 13): inputs from the config
+            from ..autoplan import modality_inputs
+
+            try:
+                inputs = modality_inputs(model)
+            except NormfoldError:
+                return  # nothing to probe with; the verification runs the model anyway
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        inputs = {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                  for k, v in inputs.items()}
+        was = model.training
+        model.eval()
+        with torch.no_grad():
+            model(**inputs)
+        model.train(was)
+    except RuntimeError as exc:
+        msg = str(exc).strip().splitlines()[0][:300]
+        hint = "" if pad else " Try the zero-padded form (--pad / variant_options={'pad': True}), which keeps every shape."
+        if kept:
+            _refuse_kept(model, kept)
+        raise UnsupportedConversionError(
+            f"{type(model).__name__} cannot run on the compressed (d−1)-wide stream: {msg}. Some module of this "
+            f"configuration reads the stream width itself.{hint}") from exc
+    finally:
+        for h in handles:
+            h.remove()
+    if kept:
+        _refuse_kept(model, kept)
+
+
+def _refuse_kept(model: nn.Module, kept: list[str]) -> None:
+    names = ", ".join(sorted(set(kept))[:3])
+    raise UnsupportedConversionError(
+        f"{type(model).__name__}: LayerNorm(s) kept by the Pre-RMSNorm plan read the residual stream directly "
+        f"({names}); a LayerNorm needs all d coordinates and a non-zero-mean input, so this stream cannot be "
+        "compressed. Convert with --to rmsnorm instead.")

@@ -1,0 +1,241 @@
+"""Reverse conversions (paper 001 Appendix C): Pre-CRMSNorm → Pre-RMSNorm → Pre-LN.
+
+- `decompress(model)`: a Pre-CRMSNorm model (from `convert(to="crmsnorm")` or `normfold.load`) back
+  to Pre-RMSNorm: each compressed writer gets its last output coordinate back as −Σ of the others
+  (every output column of the writer zero-mean again, App. C step 4), each compressed reader a zero
+  last input column (App. C step 3 with a_d = 0), StreamCRMSNorm → RMSNorm, the recentre-and-compress
+  hooks → Recenter, a tied compressed head → a Linear holding the full table (E' decompressed + m).
+- `to_layernorm(model)`: Pre-RMSNorm → Pre-LN: every RMSNorm → LayerNorm with the same eps (γ = 1 /
+  β = 0 where the affine was folded away), explicit Recenters removed (every reader of the stream
+  is now a LayerNorm, which ignores the per-token mean). The result is the stock architecture:
+  `save` writes `model.safetensors` that plain transformers loads.
+
+`convert_converted(model, to)` chains these (and the forward conversion, for RMS → CRMS) behind
+`normfold.convert(model, to=...)` when `model` is already a normfold model, and verifies the result
+against its input like every other conversion (float64 ≤ 1e-9 and working dtype).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+from torch import nn
+
+from .. import algebra
+from ..adapters import find_adapter
+from ..adapters.base import get, parent_and_leaf
+from ..errors import UnsupportedConversionError
+from ..modelinfo import working_dtype
+from ..nn import RMSNorm
+from ..nn.hooks import add_input_recenter, add_output_recenter
+from ..report import ConversionReport, Structure
+from .sizes import measure, size_report
+from .runtime import StreamCRMSNorm, TiedCompressedHead, remove_compress_hooks, remove_recenter_hooks, set_param
+
+
+def source_variant(model: nn.Module) -> str:
+    """'crmsnorm', 'rmsnorm' or 'layernorm' (a model without normfold norms)."""
+    kinds = {type(m) for m in model.modules()}
+    if StreamCRMSNorm in kinds:
+        return "crmsnorm"
+    if RMSNorm in kinds:
+        return "rmsnorm"
+    return "layernorm"
+
+
+def _structure(model: nn.Module) -> Structure:
+    report = getattr(model, "normfold_report", None)
+    if report is None:
+        raise UnsupportedConversionError(
+            f"{type(model).__name__} has normfold norms but no conversion record (model.normfold_report): load "
+            "it with normfold.load(DIR) or use the model returned by normfold.convert")
+    return report.structure
+
+
+def _restore_last(t: torch.Tensor, dim: int, pad: bool) -> torch.Tensor:
+    t64 = t.detach().double().movedim(dim, -1)
+    if pad:
+        t64 = t64[..., :-1]
+    out = torch.cat([t64, -t64.sum(-1, keepdim=True)], dim=-1)
+    return out.movedim(-1, dim).to(t.dtype).contiguous()
+
+
+def decompress(model: nn.Module) -> nn.Module:
+    """Pre-CRMSNorm → Pre-RMSNorm in place (App. C); returns the model, its structure updated."""
+    structure = _structure(model)
+    comp = structure.compression
+    if not comp:
+        raise UnsupportedConversionError("the model has no compression record; is it a Pre-CRMSNorm model?")
+    pad = bool(comp.get("pad"))
+    # tied heads first: they read the tables before those are decompressed
+    for tie in comp.get("tied_heads", []):
+        head = get(model, tie["head"])
+        if not isinstance(head, TiedCompressedHead):
+            continue
+        table = _restore_last(head.weight, 1, pad).double() + head.mean.detach().double()[:, None]
+        lin = nn.Linear(table.shape[1], table.shape[0], bias=head.bias is not None, dtype=head.weight.dtype)
+        with torch.no_grad():
+            lin.weight.copy_(table.to(head.weight.dtype))
+            if head.bias is not None:
+                lin.bias.copy_(head.bias)
+        parent, leaf = parent_and_leaf(model, tie["head"])
+        setattr(parent, leaf, lin)
+    for name, dim in comp.get("writer_params", {}).items():
+        set_param(model, name, _restore_last(get(model, name), dim, pad))
+    for name, in_dim in comp.get("reader_params", {}).items():
+        if not pad:
+            set_param(model, name, algebra.decompress_reader(get(model, name), in_dim))
+    for rec in structure.norms:
+        norm = get(model, rec.name)
+        if not isinstance(norm, StreamCRMSNorm):
+            continue
+        ref = next(norm.parameters(), None)
+        new = RMSNorm(norm.width, eps=norm.eps, weight=norm.weight is not None, bias=norm.bias is not None,
+                      dtype=ref.dtype if ref is not None else None)
+        with torch.no_grad():
+            if norm.weight is not None:
+                new.weight.copy_(norm.weight)
+            if norm.bias is not None:
+                new.bias.copy_(norm.bias)  # a compressed bias was restored with the writers
+        parent, leaf = parent_and_leaf(model, rec.name)
+        setattr(parent, leaf, new)
+        rec.type, rec.options = "RMSNorm", {}
+    for path in comp.get("compress_after", []) + comp.get("widen_after", []):
+        remove_compress_hooks(get(model, path))
+    for path in comp.get("compress_before", []) + comp.get("narrow_before", []):
+        remove_compress_hooks(get(model, path))
+    for path in comp.get("compress_after", []):
+        add_output_recenter(get(model, path))
+    for path in comp.get("compress_before", []):
+        add_input_recenter(get(model, path))
+    structure.recenter_after += comp.get("compress_after", [])
+    structure.recenter_before += comp.get("compress_before", [])
+    structure.compression = {}
+    return model
+
+
+def to_layernorm(model: nn.Module) -> nn.Module:
+    """Pre-RMSNorm → Pre-LN in place: RMSNorm → LayerNorm (same eps), Recenters removed."""
+    structure = _structure(model) if getattr(model, "normfold_report", None) is not None else Structure()
+    records = {r.name: r for r in structure.norms}
+    for name, module in list(model.named_modules()):
+        if type(module) is not RMSNorm:
+            continue
+        rec = records.get(name)
+        affine = rec.stock_weight if rec is not None else True
+        bias = rec.stock_bias if rec is not None else True
+        if not affine and (module.weight is not None or module.bias is not None):
+            affine = bias = True
+        ref = next(module.parameters(), None)
+        dtype = ref.dtype if ref is not None else working_dtype(model)
+        ln = nn.LayerNorm(module.normalized_shape[0], eps=module.eps, elementwise_affine=affine,
+                          bias=bias or module.bias is not None, dtype=dtype)
+        with torch.no_grad():
+            if affine:
+                ln.weight.copy_(module.weight if module.weight is not None else torch.ones_like(ln.weight))
+            if ln.bias is not None:
+                ln.bias.copy_(module.bias if module.bias is not None else torch.zeros_like(ln.bias))
+        parent, leaf = parent_and_leaf(model, name)
+        setattr(parent, leaf, ln)
+    for module in model.modules():
+        remove_recenter_hooks(module)
+    if getattr(model, "normfold_report", None) is not None:
+        structure.norms, structure.recenter_after, structure.recenter_before = [], [], []
+    return model
+
+
+# ---- behind normfold.convert(model, to=...) for a model that is already converted ---------------------
+
+def _steps(src: str, to: str, pad: bool) -> list[str]:
+    if src == "layernorm":
+        raise UnsupportedConversionError(
+            "--to layernorm converts a normfold Pre-RMSNorm / Pre-CRMSNorm model (a `normfold convert` output "
+            "directory) back to Pre-LN; this model has no normfold norms: it already is a LayerNorm model")
+    if to == src and to != "crmsnorm":
+        raise UnsupportedConversionError(f"the model already is a {src} model; nothing to convert")
+    steps = ["decompress"] if src == "crmsnorm" else []
+    if to == "rmsnorm":
+        return steps
+    steps.append("layernorm")
+    if to == "layernorm":
+        return steps
+    if to == "crmsnorm":
+        return steps + ["crmsnorm"]
+    raise UnsupportedConversionError(f"cannot convert a {src} model to {to}; from a normfold model: "
+                                     "--to rmsnorm, layernorm or crmsnorm")
+
+
+def _run(model: nn.Module, steps: list[str], options: dict) -> tuple[nn.Module, ConversionReport | None]:
+    from ..convert import convert
+
+    report = None
+    for step in steps:
+        if step == "decompress":
+            decompress(model)
+        elif step == "layernorm":
+            to_layernorm(model)
+        else:
+            model, report = convert(model, to="crmsnorm", inplace=True, verify=False, variant_options=options)
+    return model, report
+
+
+def convert_converted(model: nn.Module, to: str, *, inplace: bool = False, verify: bool = True,
+                      inputs: dict | None = None, fp64_tol: float = 1e-9, progress=None,
+                      variant_options: dict | None = None) -> tuple[nn.Module, ConversionReport]:
+    """`normfold.convert(model, to)` for a model that already carries normfold norms."""
+    from ..convert import centered_outputs
+    from ..verify import verify_conversion
+
+    say = progress or (lambda msg: None)
+    t0 = time.perf_counter()
+    src = source_variant(model)
+    options = dict(variant_options or {})
+    if to != "crmsnorm" and options:
+        raise UnsupportedConversionError(f"--to {to} from a {src} model takes no options")
+    steps = _steps(src, to, bool(options.get("pad")))
+    adapter = find_adapter(model)
+    src_report = getattr(model, "normfold_report", None)
+    before = measure(model)
+    target = model if inplace else copy.deepcopy(model)
+    if inplace and verify:
+        model = copy.deepcopy(model)
+    say(f"{src} -> {to}: {' -> '.join(steps)}")
+    target, fwd_report = _run(target, steps, options)
+    target.eval()
+    if fwd_report is not None:
+        report = fwd_report
+    else:
+        structure = getattr(target, "normfold_report", src_report).structure if src_report is not None else Structure()
+        report = ConversionReport(variant=to, adapter=adapter.name, architecture=type(target).__name__,
+                                  dtype=str(working_dtype(target)).replace("torch.", ""),
+                                  layernorms_total=sum(isinstance(m, (nn.LayerNorm, RMSNorm, StreamCRMSNorm))
+                                                       for m in model.modules()),
+                                  structure=copy.deepcopy(structure))
+        if to == "layernorm":
+            report.structure = Structure(untied=list(structure.untied))
+            report.stock_reloadable = not structure.added_bias
+        else:
+            report.stock_reloadable = not (structure.recenter_after or structure.recenter_before or structure.added_bias)
+        report.centered_outputs = list(src_report.centered_outputs) if src_report is not None else []
+    report.notes.append(f"reverse conversion (paper 001 App. C) from a {src} model: {' -> '.join(steps)}")
+    if src_report is not None and src_report.source:
+        report.source = dict(src_report.source)
+    target.normfold_report = report
+    report.size = size_report(before, target)
+    report.seconds["convert"] = round(time.perf_counter() - t0, 3)
+    if verify:
+        t1 = time.perf_counter()
+        say("verifying (float64 and working dtype)")
+        if inputs is None:
+            inputs = adapter.example_inputs(model, torch.Generator().manual_seed(0))
+        centered = tuple(report.centered_outputs) or centered_outputs(adapter.plan(target))
+
+        def reconvert(m: nn.Module) -> nn.Module:
+            return _run(m, steps, options)[0].eval()
+
+        report.verification = verify_conversion(model, target, inputs, reconvert=reconvert, fp64_tol=fp64_tol,
+                                                centered=centered).to_dict()
+        report.seconds["verify"] = round(time.perf_counter() - t1, 3)
+    return target, report
