@@ -179,7 +179,9 @@ def test_autotuned_launch_tunes_once_then_calls_the_kernel_with_the_chosen_confi
     monkeypatch.setattr(tk, "_kernels", lambda: fake)
     monkeypatch.setattr(tk, "_tuned", lambda: True)
     monkeypatch.setattr(tk, "_CHOSEN", {})
-    x = torch.randn(37, 768)
+    # CPU tensors run only under TRITON_INTERPRET (set by conftest without a GPU); on a GPU, CUDA ones
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(37, 768, device=dev)
     for _ in range(3):
         tk.forward(x, None, None, 1e-5, False, want_rstd=False)
     tk.forward(x, None, None, 1e-5, True, want_rstd=False)  # a different kernel specialization: tuned again
@@ -187,8 +189,10 @@ def test_autotuned_launch_tunes_once_then_calls_the_kernel_with_the_chosen_confi
     assert names == ["fwd_tuned", "fwd", "fwd", "fwd_tuned"]
     _, grid, kwargs = log[1]
     assert kwargs["BLOCK_M"] == 4 and kwargs["num_warps"] == 8 and grid == (10,)  # ceil(37 / 4)
-    tk.backward(torch.randn(37, 768), x, None, torch.ones(37), False, need_dw=False, need_db=True)
-    tk.backward(torch.randn(37, 768), x, None, torch.ones(37), False, need_dw=False, need_db=True)
+    tk.backward(torch.randn(37, 768, device=dev), x, None, torch.ones(37, device=dev), False, need_dw=False,
+                need_db=True)
+    tk.backward(torch.randn(37, 768, device=dev), x, None, torch.ones(37, device=dev), False, need_dw=False,
+                need_db=True)
     assert [entry[0] for entry in log[4:]] == ["bwd_tuned", "bwd"] and log[5][2]["num_warps"] == 4
 
 

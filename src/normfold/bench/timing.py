@@ -101,6 +101,7 @@ def machine_info() -> dict:
         "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
         "python": platform.python_version(), "platform": platform.platform(),
         "normfold_cpu_kernel": cpu.status()["available"],
+        "normfold_cpu_isa": cpu.status()["isa"],  # the kernel's ISA path (None: PyTorch fallback)
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
@@ -112,27 +113,44 @@ def machine_info() -> dict:
 
 
 class Bar:
-    """A one-line progress bar on stderr (no dependency)."""
+    """A one-line progress bar on stderr (no dependency).
+
+    `total` counts units of work; a step may be worth several (`step(n)`). The time left is the
+    measured time per unit of the recent steps (the last RECENT of them) times the units left, so
+    it follows the step times as they change (a float32 pass then a bfloat16 one 10x slower),
+    instead of assuming every step costs the average so far."""
+
+    RECENT = 20
 
     def __init__(self, total: int, label: str, enabled: bool = True) -> None:
+        import collections
         import sys
 
         self.total, self.k, self.label, self.enabled, self.stream = total, 0, label, enabled, sys.stderr
-        self.t0 = time.perf_counter()
+        self.t0 = self._last = time.perf_counter()
+        self._recent = collections.deque(maxlen=self.RECENT)  # (seconds, units) of the last steps
         self._draw()
+
+    def eta(self) -> float:
+        units = sum(u for _, u in self._recent)
+        if not units:
+            return 0.0
+        return sum(t for t, _ in self._recent) / units * max(0, self.total - self.k)
 
     def _draw(self) -> None:
         if not self.enabled:
             return
         width = 30
-        done = int(width * self.k / max(1, self.total))
+        done = int(width * min(self.k, self.total) / max(1, self.total))
         el = time.perf_counter() - self.t0
-        eta = el / self.k * (self.total - self.k) if self.k else 0.0
         self.stream.write(f"\r{self.label} [{'#' * done}{'.' * (width - done)}] {self.k}/{self.total} "
-                          f"{el:5.0f}s elapsed, ~{eta:4.0f}s left ")
+                          f"{el:5.0f}s elapsed, ~{self.eta():4.0f}s left ")
         self.stream.flush()
 
     def step(self, n: int = 1) -> None:
+        now = time.perf_counter()
+        self._recent.append((now - self._last, n))
+        self._last = now
         self.k += n
         self._draw()
 

@@ -9,6 +9,16 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
+from ..ops import cpu as _cpu
+from ..ops.registry import LN_ROUTE_MAX_NUMEL  # noqa: F401  (normfold.nn.norms.LN_ROUTE_MAX_NUMEL)
+from ..ops.registry import cpu_fast_path as _cpu_fast_path
+
+_LN_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
+
+
+def _no_grad_needed(x: Tensor, w, b) -> bool:
+    return not torch.is_grad_enabled() or not (x.requires_grad or (w is not None and w.requires_grad)
+                                               or (b is not None and b.requires_grad))
 
 
 def _last_dim(normalized_shape) -> int:
@@ -43,10 +53,29 @@ class RMSNorm(_AffineNorm):
 
     On a zero-mean input this equals LayerNorm with the same eps, weight and bias; that is what
     makes a converted Pre-LN model exact. Uses normfold's fast kernels (see `normfold.ops`).
+
+    `zero_mean_input` (set by `from_layernorm`, i.e. on every norm a conversion swaps in, whose
+    input is zero-mean by construction) allows the LayerNorm route: on CPU, when no gradient is
+    needed and either the input is tiny (≤ LN_ROUTE_MAX_NUMEL elements: decode steps, where a call's
+    fixed cost dominates) or the C kernel is unavailable (no compiler), the norm runs as aten's fused
+    `layer_norm`. On a zero-mean x that is RMSNorm up to rounding: it subtracts the mean that the
+    stored x has (zero in exact arithmetic, a rounding residue of the stream's dtype in practice:
+    ≤ a few ulps of x / √d) and computes the variance about it, so the two results differ by
+    rounding only (tests/nn/test_norm_routes.py measures it against the float64 reference).
     """
 
+    zero_mean_input = False
+
     def forward(self, x: Tensor) -> Tensor:
-        return ops.rms_norm(x, self.weight, self.bias, self.eps)
+        w, b = self.weight, self.bias
+        if _cpu_fast_path[0] and x.is_cpu and _no_grad_needed(x, w, b) and not torch.compiler.is_compiling():
+            if self.zero_mean_input and x.dtype in _LN_DTYPES and (
+                    x.numel() <= LN_ROUTE_MAX_NUMEL or _cpu.library() is None):
+                return torch.layer_norm(x, self.normalized_shape, w, b, self.eps)
+            y = _cpu.fast_forward(x, w, b, self.eps, False)
+            if y is not None:
+                return y
+        return ops.rms_norm(x, w, b, self.eps)
 
     @classmethod
     def from_layernorm(cls, ln: nn.LayerNorm, weight: Tensor | None = None, bias: Tensor | None = None,
@@ -61,6 +90,7 @@ class RMSNorm(_AffineNorm):
         keep_weight = keep_weight and w is not None
         keep_bias = keep_bias and b is not None
         out = cls(shape, eps=eps, weight=keep_weight, bias=keep_bias, **factory)
+        out.zero_mean_input = True  # it replaces a LayerNorm: its input is the zero-mean stream
         with torch.no_grad():
             if keep_weight:
                 out.weight.copy_(w)
@@ -76,7 +106,12 @@ class CRMSNorm(_AffineNorm):
     """
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops.crms_norm(x, self.weight, self.bias, self.eps)
+        w, b = self.weight, self.bias
+        if _cpu_fast_path[0] and x.is_cpu and _no_grad_needed(x, w, b) and not torch.compiler.is_compiling():
+            y = _cpu.fast_forward(x, w, b, self.eps, True)
+            if y is not None:
+                return y
+        return ops.crms_norm(x, w, b, self.eps)
 
 
 class AddRMSNorm(_AffineNorm):

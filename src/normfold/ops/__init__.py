@@ -26,13 +26,15 @@ from torch import Tensor
 from ..errors import NormInputError
 from . import cpu, cpu_library, reference, registry, triton_kernels
 from .reference import layer_norm
+from .autograd import add_norm_with, norm_with
 from .registry import REFERENCE, Backend, backends, register_backend, select, unregister_backend
 
-__all__ = ["layer_norm", "rms_norm", "crms_norm", "add_rms_norm", "add_crms_norm", "backend_for", "prepare",
+__all__ = ["info", "layer_norm", "rms_norm", "crms_norm", "add_rms_norm", "add_crms_norm", "backend_for", "prepare",
            "register_backend", "unregister_backend", "backends", "Backend", "reload_environment", "reference"]
 
 # Backends, highest priority first where devices overlap. triton_kernels only claims CUDA tensors
 # (and imports triton lazily, so CPU-only installs never load it).
+registry.builtin_impls.update({"cpu-kernel": cpu, "triton": triton_kernels})
 register_backend("cpu-kernel", cpu, priority=0, compiled=cpu_library)
 register_backend("triton", triton_kernels, priority=10)
 
@@ -50,6 +52,14 @@ def _select(x: Tensor, compiling: bool):
     if compiling and b is not None and x.numel() < COMPILE_KERNEL_MIN_NUMEL:
         return None
     return b
+
+
+def info() -> dict:
+    """What computes the norms in this process: the CPU kernel's ISA path (and the CPU's best),
+    its library and build errors, the backends in dispatch order, forced settings. `normfold bench`
+    prints and stores it."""
+    return {"cpu": cpu.status(), "backends": [b.name for b in backends()], "forced_backend": registry._forced,
+            "module_fast_path": registry.cpu_fast_path[0], "ln_route_max_numel": registry.LN_ROUTE_MAX_NUMEL}
 
 
 def prepare() -> None:
@@ -85,55 +95,6 @@ def _check_params(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> None
                                  f"input of shape {tuple(x.shape)} needs shape ({n},)")
 
 
-def _needs_grad(*ts) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
-
-
-def _cast(g: Tensor | None, like: Tensor | None) -> Tensor | None:
-    return None if g is None or like is None else g.to(like.dtype)
-
-
-class _NormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps, compressed, impl):
-        y, rstd = impl.forward(x, weight, bias, eps, compressed, want_rstd=True)
-        ctx.save_for_backward(x, weight, bias, rstd)
-        ctx.compressed, ctx.impl = compressed, impl
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, bias, rstd = ctx.saved_tensors
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dx, dw, db = ctx.impl.backward(dy, x, weight, rstd, ctx.compressed, need_dw=need_dw and weight is not None,
-                                       need_db=need_db and bias is not None)
-        return (dx if need_dx else None), _cast(dw, weight), _cast(db, bias), None, None, None
-
-
-class _AddNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps, compressed, impl):
-        s, y, rstd = impl.add_forward(x, residual, weight, bias, eps, compressed, want_rstd=True)
-        ctx.save_for_backward(s, weight, bias, rstd)
-        ctx.compressed, ctx.impl = compressed, impl
-        ctx.set_materialize_grads(False)  # ds or dy may be None when that output was not used
-        return s, y
-
-    @staticmethod
-    def backward(ctx, ds, dy):
-        s, weight, bias, rstd = ctx.saved_tensors
-        need_x, need_r, need_dw, need_db = ctx.needs_input_grad[:4]
-        dw = db = None
-        if dy is None:
-            dx = ds
-        else:
-            dx, dw, db = ctx.impl.backward(dy, s, weight, rstd, ctx.compressed,
-                                           need_dw=need_dw and weight is not None,
-                                           need_db=need_db and bias is not None, ds=ds)
-        # x and residual get the same gradient; autograd copies before any in-place accumulation.
-        return (dx if need_x else None), (dx if need_r else None), _cast(dw, weight), _cast(db, bias), None, None, None
-
-
 def _norm(x: Tensor, weight, bias, eps: float, compressed: bool) -> Tensor:
     _check_params(x, weight, bias)
     compiling = _compiling()
@@ -143,13 +104,6 @@ def _norm(x: Tensor, weight, bias, eps: float, compressed: bool) -> Tensor:
     if compiling:
         return b.compiled.norm(x, weight, bias, eps, compressed)
     return norm_with(b.impl, x, weight, bias, eps, compressed)
-
-
-def norm_with(impl, x: Tensor, weight, bias, eps: float, compressed: bool) -> Tensor:
-    """Run a backend implementation directly (differentiable), bypassing selection (kernel tests)."""
-    if _needs_grad(x, weight, bias):
-        return _NormFunction.apply(x, weight, bias, eps, compressed, impl)
-    return impl.forward(x, weight, bias, eps, compressed, want_rstd=False)[0]
 
 
 def _add_norm(x: Tensor, residual: Tensor, weight, bias, eps: float, compressed: bool) -> tuple[Tensor, Tensor]:
@@ -164,14 +118,6 @@ def _add_norm(x: Tensor, residual: Tensor, weight, bias, eps: float, compressed:
     if compiling:
         return b.compiled.add_norm(x, residual, weight, bias, eps, compressed)
     return add_norm_with(b.impl, x, residual, weight, bias, eps, compressed)
-
-
-def add_norm_with(impl, x: Tensor, residual: Tensor, weight, bias, eps: float, compressed: bool):
-    """The fused add + norm of a backend implementation, differentiable, bypassing selection."""
-    if _needs_grad(x, residual, weight, bias):
-        return _AddNormFunction.apply(x, residual, weight, bias, eps, compressed, impl)
-    s, y, _ = impl.add_forward(x, residual, weight, bias, eps, compressed, want_rstd=False)
-    return s, y
 
 
 def rms_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:

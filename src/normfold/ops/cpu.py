@@ -2,17 +2,24 @@
 
 Why this path: on CPU, torch's F.layer_norm is a fused kernel while F.rms_norm is composed of
 several ops and runs 1.2–16× slower than LayerNorm, so a plain swap would make converted models
-slower. The C kernels (csrc/) read each row once, use AVX-512 intrinsics when the building CPU has
-them (a portable vector-extension version otherwise) and need only a C compiler: no torch headers,
-so the build takes about two seconds, once. The library is cached under $NORMFOLD_CACHE (default
-~/.cache/normfold) keyed by source, flags, compiler and CPU, so `-march=native` code is never
-reused on a different CPU.
+slower. The C kernels (csrc/) read each row once and need only a C compiler: no torch headers, so a
+build takes about two seconds, once.
 
-If no compiler is found or every build fails, `library()` returns None (with one warning) and the
-dispatcher uses the reference PyTorch ops. NORMFOLD_CPU_KERNEL=0 forces that fallback;
-NORMFOLD_CPU_ISA=generic builds the portable version even on an AVX-512 machine (for testing).
-Both are read when the library is first needed (call `reset()` after changing them at run time):
-reading the environment on every call would cost more than a small norm itself.
+ISA paths, chosen at load time from what the CPU reports (/proc/cpuinfo flags, else
+`torch.backends.cpu.get_cpu_capability()`), each its own library built with explicit flags:
+`avx512` (AVX-512 F/BW/VL, -march=native), `avx2` (AVX2+FMA+F16C, -mavx2 -mfma -mf16c), `neon`
+(aarch64) and `portable` (vector extensions, no ISA flags). A path whose build fails falls back to
+the next lower one (avx512 → avx2 → portable, neon → portable), each tried with and without
+OpenMP. Libraries are cached under $NORMFOLD_CACHE (default ~/.cache/normfold) keyed by source,
+flags, compiler and CPU.
+
+NORMFOLD_CPU_ISA=avx512|avx2|neon|portable forces a path (e.g. the AVX2 code on an AVX-512 machine,
+to measure both on one CPU; `generic` is an alias of `portable`); a path the CPU cannot run is
+refused with a warning and the best supported one is used. If no compiler is found or every build
+fails, `library()` returns None (with one warning) and the dispatcher uses the PyTorch fallback
+(normfold.ops). NORMFOLD_CPU_KERNEL=0 forces that fallback. Both variables are read when the
+library is first needed (call `reset()` after changing them at run time): reading the environment
+on every call would cost more than a small norm itself.
 
 Backend interface (see normfold.ops.registry): `supports`, `forward`, `add_forward`, `backward`.
 """
@@ -35,18 +42,20 @@ from torch import Tensor
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCE = _CSRC / "rmsnorm_cpu.c"
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 _COMMON = ["-O3", "-shared", "-fPIC"]
-# Tried in order: the machine's own ISA, then a generic build, then one without OpenMP (e.g. clang
-# without libomp), each a separate cached library.
-_FLAG_SETS = (
-    ["-march=native", "-fopenmp"],
-    ["-fopenmp"],
-    [],
-)
+# Compiler flags of each ISA path (see csrc/nf_simd.h) and the path to try when its build fails.
+ISA_FLAGS = {
+    "avx512": ["-march=native"],  # only chosen on CPUs with AVX-512 F/BW/VL; picks up AVX512_BF16
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "neon": [],  # NEON is baseline on aarch64
+    "portable": ["-DNF_FORCE_GENERIC"],
+}
+ISA_FALLBACK = {"avx512": "avx2", "avx2": "portable", "neon": "portable", "portable": None}
+ISA_ALIASES = {"generic": "portable", "vector": "portable", "x86-64-v3": "avx2", "x86-64-v4": "avx512"}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _PARAM_FAST = frozenset(DTYPE_CODES)
-ISA_NAMES = {2: "avx512", 1: "vector"}
+ISA_NAMES = {2: "avx512", 3: "avx2", 4: "neon", 1: "portable"}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -55,6 +64,10 @@ _build_error: str | None = None
 _lib_path: str | None = None
 _dtypes: frozenset = frozenset()  # dtypes the loaded library handles (empty when unavailable)
 _disabled = False
+_isa_detected: str | None = None
+_isa_requested: str | None = None
+_isa_note: str | None = None
+_fast: list = [None, {}]  # [nf_forward_simple, {dtype: code}] of the loaded library (see fast_forward)
 
 
 def cache_dir() -> Path:
@@ -70,13 +83,67 @@ def disabled() -> bool:
     return _env_off("NORMFOLD_CPU_KERNEL")
 
 
-def _forced_generic() -> bool:
-    return os.environ.get("NORMFOLD_CPU_ISA", "").lower() == "generic"
+def _cpu_flags() -> frozenset:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def detect_isa() -> str:
+    """The best ISA path this CPU can run."""
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return "neon"
+    if machine not in ("x86_64", "amd64", "x64"):
+        return "portable"
+    flags = _cpu_flags()
+    if not flags:  # no /proc/cpuinfo: ask torch (its capability includes the OS's AVX state)
+        try:
+            cap = torch.backends.cpu.get_cpu_capability().upper()
+        except (AttributeError, RuntimeError):
+            cap = ""
+        return "avx512" if cap.startswith("AVX512") else "avx2" if cap == "AVX2" else "portable"
+    if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        return "avx512"
+    if {"avx2", "fma", "f16c"} <= flags:
+        return "avx2"
+    return "portable"
+
+
+def _chain(isa: str) -> list[str]:
+    out = []
+    while isa is not None:
+        out.append(isa)
+        isa = ISA_FALLBACK[isa]
+    return out
+
+
+def _requested_isa() -> tuple[str, str | None]:
+    """(path to start from, note): the detected path, or NORMFOLD_CPU_ISA when the CPU can run it."""
+    best = detect_isa()
+    want = os.environ.get("NORMFOLD_CPU_ISA", "").strip().lower()
+    if not want or want in ("auto", "native"):
+        return best, None
+    want = ISA_ALIASES.get(want, want)
+    if want not in ISA_FLAGS:
+        return best, f"NORMFOLD_CPU_ISA={want!r} is not one of {', '.join(ISA_FLAGS)}; using {best}"
+    if want not in _chain(best):
+        return best, f"NORMFOLD_CPU_ISA={want} cannot run on this CPU (best: {best}); using {best}"
+    return want, None
 
 
 def _compiler() -> str | None:
-    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cc and shutil.which(cc):
+    """$CC when set (and only it: CC=/nonexistent means no compiler), else cc, gcc or clang."""
+    env = os.environ.get("CC")
+    if env:
+        return env if shutil.which(env) else None
+    for cc in ("cc", "gcc", "clang"):
+        if shutil.which(cc):
             return cc
     return None
 
@@ -129,6 +196,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     # dtype, x, xs, res, rst, w, wdt, b, bdt, y, s, rstd, rows, n, eps, compressed, nthreads
     lib.nf_forward.argtypes = [I, P, I64, P, I64, P, I, P, I, P, P, P, I64, I64, F, I, I]
     lib.nf_forward.restype = I
+    # dtype, x, w, wdt, b, bdt, y, rows, n, eps, compressed, nthreads
+    lib.nf_forward_simple.argtypes = [I, P, P, I, P, I, P, I64, I64, F, I, I]
+    lib.nf_forward_simple.restype = I
     # dtype, dy, ds, x, xs, w, wdt, rstd, dx, dw_part, db_part, rows, n, compressed, nthreads
     lib.nf_backward.argtypes = [I, P, P, P, I64, P, I, P, P, P, P, I64, I64, I, I]
     lib.nf_backward.restype = I
@@ -142,7 +212,8 @@ def library() -> ctypes.CDLL | None:
 
 
 def _load() -> None:
-    global _lib, _tried, _build_error, _lib_path, _dtypes, _disabled
+    global _lib, _tried, _build_error, _lib_path, _dtypes, _disabled, _isa_detected, _isa_requested, _isa_note
+    note = None
     with _lock:
         if _tried:
             return
@@ -150,36 +221,48 @@ def _load() -> None:
         if _disabled:
             _tried = True
             return
+        _isa_detected = detect_isa()
+        _isa_requested, _isa_note = _requested_isa()
+        note = _isa_note
         cc = _compiler()
         if cc is None or platform.system() != "Linux":
-            _build_error = "no C compiler found" if cc is None else f"unsupported platform {platform.system()}"
+            _build_error = ("no C compiler found" if cc is None else f"unsupported platform {platform.system()}")
             _tried = True
             return
         source = _sources()
         ident = _compiler_id(cc).encode() + platform.machine().encode() + _cpu_signature().encode()
-        extra = ["-DNF_FORCE_GENERIC"] if _forced_generic() else []
         errors = []
-        for flags in _FLAG_SETS:
-            flags = _COMMON + flags + extra
-            key = hashlib.sha256(source + " ".join(flags).encode() + ident).hexdigest()[:16]
-            target = cache_dir() / f"librmsnorm_cpu-{key}.so"
-            try:
-                if not target.exists():
-                    _build(cc, flags, target)
-                lib = ctypes.CDLL(str(target))
-                _declare(lib)
-                if lib.nf_abi_version() != _ABI_VERSION:
-                    raise OSError("kernel ABI version mismatch")
-                _dtypes = frozenset(dt for dt, code in DTYPE_CODES.items() if lib.nf_supports_dtype(code))
-                _lib, _lib_path, _tried = lib, str(target), True
-                return
-            except (OSError, subprocess.SubprocessError) as exc:
-                detail = getattr(exc, "stderr", "") or str(exc)
-                errors.append(f"{' '.join(flags)}: {detail.strip()[:500]}")
-        _build_error = "; ".join(errors)
+        for isa in _chain(_isa_requested):
+            for omp in (["-fopenmp"], []):
+                flags = _COMMON + ISA_FLAGS[isa] + omp
+                key = hashlib.sha256(source + " ".join(flags).encode() + ident).hexdigest()[:16]
+                target = cache_dir() / f"librmsnorm_cpu-{isa}-{key}.so"
+                try:
+                    if not target.exists():
+                        _build(cc, flags, target)
+                    lib = ctypes.CDLL(str(target))
+                    _declare(lib)
+                    if lib.nf_abi_version() != _ABI_VERSION:
+                        raise OSError("kernel ABI version mismatch")
+                    _dtypes = frozenset(dt for dt, code in DTYPE_CODES.items() if lib.nf_supports_dtype(code))
+                    _lib, _lib_path, _tried = lib, str(target), True
+                    _fast[:] = [lib.nf_forward_simple, {dt: DTYPE_CODES[dt] for dt in _dtypes}]
+                    if errors:
+                        _build_error = "; ".join(errors)
+                    break
+                except (OSError, subprocess.SubprocessError) as exc:
+                    detail = getattr(exc, "stderr", "") or str(exc)
+                    errors.append(f"{isa} ({' '.join(flags)}): {detail.strip()[:500]}")
+            if _lib is not None:
+                break
+        else:
+            _build_error = "; ".join(errors)
         _tried = True
-    warnings.warn(f"normfold: CPU kernel build failed, using PyTorch fallback ({_build_error})",
-                  RuntimeWarning, stacklevel=3)
+    if note:
+        warnings.warn(f"normfold: {note}", RuntimeWarning, stacklevel=3)
+    if _lib is None:
+        warnings.warn(f"normfold: CPU kernel build failed, using PyTorch fallback ({_build_error})",
+                      RuntimeWarning, stacklevel=3)
 
 
 def _require() -> ctypes.CDLL:
@@ -192,9 +275,11 @@ def _require() -> ctypes.CDLL:
 
 def reset() -> None:
     """Forget the loaded library and re-read the environment on next use (tests, switches)."""
-    global _lib, _tried, _build_error, _lib_path, _dtypes
+    global _lib, _tried, _build_error, _lib_path, _dtypes, _isa_requested, _isa_note
     with _lock:
         _lib, _tried, _build_error, _lib_path, _dtypes = None, False, None, None, frozenset()
+        _isa_requested = _isa_note = None
+        _fast[:] = [None, {}]
 
 
 def status() -> dict:
@@ -202,6 +287,7 @@ def status() -> dict:
     lib = library()
     return {"available": lib is not None, "disabled": _disabled, "error": _build_error,
             "isa": ISA_NAMES.get(lib.nf_isa()) if lib is not None else None,
+            "cpu_isa": _isa_detected or detect_isa(), "requested_isa": _isa_requested, "isa_note": _isa_note,
             "library": _lib_path, "cache": str(cache_dir())}
 
 
@@ -221,6 +307,47 @@ def _tracing() -> bool:
 
 
 # ---- raw kernel calls (no autograd) -----------------------------------------------------------------
+
+def fast_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, compressed: bool):
+    """y = norm(x) for the common inference case (contiguous x with rows, parameters contiguous in
+    float32 or x's dtype), with as little Python as possible: the modules call this first on every
+    call, so at decode sizes (one row) it is most of the time a norm takes. Returns None when the
+    case is not that one (the caller then takes the general path, which also raises user errors)."""
+    f, codes = _fast
+    if f is None:
+        if _tried or _tracing():
+            return None
+        _load()
+        f, codes = _fast
+        if f is None:
+            return None
+    code = codes.get(x.dtype)
+    if code is None or not x.is_cpu or not x.is_contiguous() or x.dim() == 0:
+        return None
+    n = x.shape[-1]
+    numel = x.numel()
+    if numel == 0:
+        return None
+    wp = bp = None
+    wdt = bdt = 0
+    if weight is not None:
+        wdt = codes.get(weight.dtype)
+        if (weight.dtype is not x.dtype and wdt != 0) or wdt is None or weight.shape != (n,) or \
+                not weight.is_contiguous() or not weight.is_cpu:
+            return None
+        wp = weight.data_ptr()
+    if bias is not None:
+        bdt = codes.get(bias.dtype)
+        if (bias.dtype is not x.dtype and bdt != 0) or bdt is None or bias.shape != (n,) or \
+                not bias.is_contiguous() or not bias.is_cpu:
+            return None
+        bp = bias.data_ptr()
+    y = torch.empty_like(x)
+    if f(code, x.data_ptr(), wp, wdt, bp, bdt, y.data_ptr(), numel // n, n, eps, compressed,
+         torch.get_num_threads()) != 0:
+        return None
+    return y
+
 
 def _rows(t: Tensor, n: int) -> tuple[Tensor, int]:
     """t as (rows, n) with a unit last stride, and the distance between its rows (a view when

@@ -56,9 +56,10 @@ def _(x, residual, weight, bias, eps, compressed):
 def _backward(dy: Tensor, ds: Optional[Tensor], x: Tensor, weight: Optional[Tensor], rstd: Tensor, compressed: bool,
               need_dw: bool, need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
     dx, dw, db = cpu.backward(dy, x, weight, rstd, compressed, need_dw, need_db, ds=ds)
-    # custom ops return tensors only: an empty one stands for "not requested"
-    none = x.new_empty(0, dtype=_F32)
-    return dx, (none if dw is None else dw.clone()), (none if db is None else db.clone())
+    # custom ops return tensors only: an empty one stands for "not requested" (one each: returns must
+    # not alias each other, which torch checks when compiled training runs this op)
+    return (dx, (x.new_empty(0, dtype=_F32) if dw is None else dw.clone()),
+            (x.new_empty(0, dtype=_F32) if db is None else db.clone()))
 
 
 @_backward.register_fake

@@ -327,7 +327,7 @@ def norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, ep
          compressed: bool = False) -> Tensor:
     """RMSNorm (compressed=False) or CRMSNorm of x over its last dimension with these kernels,
     differentiable (used by the interpreter-mode tests, which run on CPU tensors)."""
-    from . import norm_with
+    from .autograd import norm_with
 
     return norm_with(sys.modules[__name__], x, weight, bias, eps, compressed)
 
@@ -335,6 +335,6 @@ def norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, ep
 def add_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None, bias: Tensor | None = None,
              eps: float = 1e-5, compressed: bool = False) -> tuple[Tensor, Tensor]:
     """(s, norm(s)) with s = x + residual, in one pass; differentiable."""
-    from . import add_norm_with
+    from .autograd import add_norm_with
 
     return add_norm_with(sys.modules[__name__], x, residual, weight, bias, eps, compressed)

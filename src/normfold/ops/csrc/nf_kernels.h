@@ -158,6 +158,9 @@ static NF_INLINE void NF_FN(fwd_block)(const NF_T *x, int64_t xs, const NF_T *re
     }
     for (int i = 0; i < R; i++) {
         rs[i] = 1.0f / sqrtf((sq[i] + sm[i] * sm[i]) * inv_d + eps);
+        /* A row holding Inf or NaN comes out all NaN, as LayerNorm's does (1/sqrt(inf) = 0 would
+         * otherwise turn its finite entries into 0 and only the Inf itself into NaN). */
+        if (!isfinite(sq[i] + sm[i])) rs[i] = NAN;
         if (rstd) rstd[r0 + i] = rs[i];
     }
     NF_T *yr = y + r0 * n;

@@ -1,12 +1,16 @@
 /* Vector layer of the normfold CPU kernels: one float vector type `vf` of NF_VW lanes and, per
  * storage dtype (f32, bf16, f16), full and partial loads/stores that convert to/from float32.
  *
- * Two implementations, chosen at compile time for the machine that builds the library (the build
- * uses -march=native and is cached per CPU):
+ * Four implementations (NF_ISA below), one per shared library: normfold/ops/cpu.py compiles each
+ * with explicit ISA flags and loads the best one the running CPU supports, so the choice is made
+ * at load time from what the CPU reports, not by whichever -march the build happened to use:
  *   - AVX-512 (F+BW+VL) intrinsics: 16 lanes, masked tails, one-instruction bf16 rounding with
  *     AVX512_BF16;
- *   - a portable one written with GCC/Clang vector extensions (8 lanes): compiles to AVX2, SSE or
- *     NEON, whatever -march allows. NF_FORCE_GENERIC selects it on AVX-512 machines too (tests).
+ *   - AVX2 + FMA + F16C intrinsics (x86-64-v3: every x86 CPU since Haswell / Zen 1): 8 lanes,
+ *     float16 through VCVTPH2PS / VCVTPS2PH eight values at a time;
+ *   - NEON (aarch64): 4 lanes, float16 through FCVTL / FCVTN;
+ *   - a portable one written with GCC/Clang vector extensions (8 lanes), for anything else.
+ *     (Compiled for AVX2 it converted float16 one element at a time: 3x slower than LayerNorm.)
  *
  * bf16 rounding is round-to-nearest-even with NaN kept quiet, like torch's c10::BFloat16.
  * (VCVTNEPS2BF16 flushes float32 subnormals to zero; such tiny bf16 values never come out of a
@@ -18,14 +22,44 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(NF_FORCE_GENERIC)
+/* Which path this translation unit compiles (normfold/ops/cpu.py builds one library per ISA with
+ * explicit flags and picks one at load time from what the CPU reports):
+ *   NF_ISA 2  AVX-512 (F+BW+VL; AVX512_BF16 where the compiler targets it)   -march=native on AVX-512 CPUs
+ *   NF_ISA 3  AVX2 + FMA + F16C (x86-64-v3)                                  -mavx2 -mfma -mf16c
+ *   NF_ISA 4  NEON (aarch64; fp16 <-> fp32 with FCVTL/FCVTN)                  aarch64 baseline
+ *   NF_ISA 1  portable GCC/Clang vector extensions                           no ISA flags
+ * NF_FORCE_GENERIC selects the portable code whatever the flags allow. */
+#if defined(NF_FORCE_GENERIC)
+#define NF_AVX512 0
+#define NF_AVX2 0
+#define NF_NEON 0
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define NF_AVX512 1
+#define NF_AVX2 0
+#define NF_NEON 0
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define NF_AVX512 0
+#define NF_AVX2 1
+#define NF_NEON 0
+#include <immintrin.h>
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#define NF_AVX512 0
+#define NF_AVX2 0
+#define NF_NEON 1
+#include <arm_neon.h>
 #else
 #define NF_AVX512 0
+#define NF_AVX2 0
+#define NF_NEON 0
 #endif
 
-#if defined(__FLT16_MAX__) || defined(__aarch64__)
+#if NF_AVX512 || NF_AVX2 || NF_NEON
+/* float16 as raw bits: every conversion is a hardware instruction (F16C / AVX-512 VCVTPH2PS and
+ * VCVTPS2PH, NEON FCVTL / FCVTN), so no compiler _Float16 support is needed. */
+#define NF_HAVE_F16 1
+typedef uint16_t nf_f16;
+#elif defined(__FLT16_MAX__)
 #define NF_HAVE_F16 1
 typedef _Float16 nf_f16;
 #else
@@ -107,7 +141,135 @@ static inline vf ldn_f16(const nf_f16 *p, int64_t k) { return _mm512_cvtph_ps(_m
 static inline void st_f16(nf_f16 *p, vf v) { _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(v, NF_F16_ROUND)); }
 static inline void stn_f16(nf_f16 *p, vf v, int64_t k) { _mm256_mask_storeu_epi16(p, nf_mask(k), _mm512_cvtps_ph(v, NF_F16_ROUND)); }
 static inline vf rt_f16(vf v) { return _mm512_cvtph_ps(_mm512_cvtps_ph(v, NF_F16_ROUND)); }
+static inline float nf_f16_to_f32(nf_f16 h) { return _cvtsh_ss(h); }
 #endif
+
+#elif NF_AVX2
+/* ================================ AVX2 + FMA + F16C ================================ */
+#define NF_VW 8
+#define NF_ISA 3
+typedef __m256 vf;
+
+static inline vf vf_zero(void) { return _mm256_setzero_ps(); }
+static inline vf vf_set1(float a) { return _mm256_set1_ps(a); }
+static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }  /* a*b + c */
+static inline vf vf_fnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); } /* c - a*b */
+static inline float vf_sum(vf a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+/* Lane masks for k < 8 leading lanes: a window into a table of 8 ones and 8 zeros. */
+static const int32_t nf_mask_tab[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+static inline __m256i nf_mask(int64_t k) { return _mm256_loadu_si256((const __m256i *)(nf_mask_tab + 8 - k)); }
+/* k < 8 16-bit values (heads and tails of rows only): through a zeroed register-sized buffer. */
+static inline __m128i nf_ld16n(const uint16_t *p, int64_t k) {
+    uint16_t b[8] = {0};
+    for (int64_t i = 0; i < k; i++) b[i] = p[i];
+    return _mm_loadu_si128((const __m128i *)b);
+}
+static inline void nf_st16n(uint16_t *p, __m128i h, int64_t k) {
+    uint16_t b[8];
+    _mm_storeu_si128((__m128i *)b, h);
+    for (int64_t i = 0; i < k; i++) p[i] = b[i];
+}
+
+static inline vf ld_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline vf ldn_f32(const float *p, int64_t k) { return _mm256_maskload_ps(p, nf_mask(k)); }
+static inline void st_f32(float *p, vf v) { _mm256_storeu_ps(p, v); }
+static inline void stn_f32(float *p, vf v, int64_t k) { _mm256_maskstore_ps(p, nf_mask(k), v); }
+static inline vf rt_f32(vf v) { return v; }
+
+static inline vf nf_widen_bf16(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+static inline __m128i nf_narrow_bf16(vf v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i hi = _mm256_srli_epi32(u, 16);
+    const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i q = _mm256_or_si256(hi, _mm256_set1_epi32(0x40)); /* quiet NaN */
+    r = _mm256_blendv_epi8(r, q, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+static inline vf ld_bf16(const uint16_t *p) { return nf_widen_bf16(_mm_loadu_si128((const __m128i *)p)); }
+static inline vf ldn_bf16(const uint16_t *p, int64_t k) { return nf_widen_bf16(nf_ld16n(p, k)); }
+static inline void st_bf16(uint16_t *p, vf v) { _mm_storeu_si128((__m128i *)p, nf_narrow_bf16(v)); }
+static inline void stn_bf16(uint16_t *p, vf v, int64_t k) { nf_st16n(p, nf_narrow_bf16(v), k); }
+static inline vf rt_bf16(vf v) { return nf_widen_bf16(nf_narrow_bf16(v)); }
+
+#define NF_F16_ROUND (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+static inline vf ld_f16(const nf_f16 *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline vf ldn_f16(const nf_f16 *p, int64_t k) { return _mm256_cvtph_ps(nf_ld16n(p, k)); }
+static inline void st_f16(nf_f16 *p, vf v) { _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, NF_F16_ROUND)); }
+static inline void stn_f16(nf_f16 *p, vf v, int64_t k) { nf_st16n(p, _mm256_cvtps_ph(v, NF_F16_ROUND), k); }
+static inline vf rt_f16(vf v) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, NF_F16_ROUND)); }
+static inline float nf_f16_to_f32(nf_f16 h) { return _cvtsh_ss(h); }
+
+#elif NF_NEON
+/* ================================ NEON (aarch64) ================================ */
+#define NF_VW 4
+#define NF_ISA 4
+typedef float32x4_t vf;
+
+static inline vf vf_zero(void) { return vdupq_n_f32(0.f); }
+static inline vf vf_set1(float a) { return vdupq_n_f32(a); }
+static inline vf vf_add(vf a, vf b) { return vaddq_f32(a, b); }
+static inline vf vf_sub(vf a, vf b) { return vsubq_f32(a, b); }
+static inline vf vf_mul(vf a, vf b) { return vmulq_f32(a, b); }
+static inline vf vf_fma(vf a, vf b, vf c) { return vfmaq_f32(c, a, b); }  /* a*b + c */
+static inline vf vf_fnma(vf a, vf b, vf c) { return vfmsq_f32(c, a, b); } /* c - a*b */
+static inline float vf_sum(vf a) { return vaddvq_f32(a); }
+
+static inline vf ld_f32(const float *p) { return vld1q_f32(p); }
+static inline vf ldn_f32(const float *p, int64_t k) {
+    float b[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int64_t i = 0; i < k; i++) b[i] = p[i];
+    return vld1q_f32(b);
+}
+static inline void st_f32(float *p, vf v) { vst1q_f32(p, v); }
+static inline void stn_f32(float *p, vf v, int64_t k) {
+    float b[4];
+    vst1q_f32(b, v);
+    for (int64_t i = 0; i < k; i++) p[i] = b[i];
+}
+static inline vf rt_f32(vf v) { return v; }
+
+static inline uint16x4_t nf_ld16n(const uint16_t *p, int64_t k) {
+    uint16_t b[4] = {0, 0, 0, 0};
+    for (int64_t i = 0; i < k; i++) b[i] = p[i];
+    return vld1_u16(b);
+}
+static inline void nf_st16n(uint16_t *p, uint16x4_t h, int64_t k) {
+    uint16_t b[4];
+    vst1_u16(b, h);
+    for (int64_t i = 0; i < k; i++) p[i] = b[i];
+}
+static inline vf nf_widen_bf16(uint16x4_t h) { return vreinterpretq_f32_u32(vshll_n_u16(h, 16)); }
+static inline uint16x4_t nf_narrow_bf16(vf v) {
+    const uint32x4_t u = vreinterpretq_u32_f32(v);
+    const uint32x4_t hi = vshrq_n_u32(u, 16);
+    const uint32x4_t lsb = vandq_u32(hi, vdupq_n_u32(1));
+    const uint32x4_t r = vshrq_n_u32(vaddq_u32(u, vaddq_u32(lsb, vdupq_n_u32(0x7fff))), 16);
+    const uint32x4_t q = vorrq_u32(hi, vdupq_n_u32(0x40)); /* quiet NaN */
+    const uint32x4_t nan = vmvnq_u32(vceqq_f32(v, v));
+    return vmovn_u32(vbslq_u32(nan, q, r));
+}
+static inline vf ld_bf16(const uint16_t *p) { return nf_widen_bf16(vld1_u16(p)); }
+static inline vf ldn_bf16(const uint16_t *p, int64_t k) { return nf_widen_bf16(nf_ld16n(p, k)); }
+static inline void st_bf16(uint16_t *p, vf v) { vst1_u16(p, nf_narrow_bf16(v)); }
+static inline void stn_bf16(uint16_t *p, vf v, int64_t k) { nf_st16n(p, nf_narrow_bf16(v), k); }
+static inline vf rt_bf16(vf v) { return nf_widen_bf16(nf_narrow_bf16(v)); }
+
+static inline vf nf_h2f(uint16x4_t h) { return vcvt_f32_f16(vreinterpret_f16_u16(h)); }
+static inline uint16x4_t nf_f2h(vf v) { return vreinterpret_u16_f16(vcvt_f16_f32(v)); }
+static inline vf ld_f16(const nf_f16 *p) { return nf_h2f(vld1_u16(p)); }
+static inline vf ldn_f16(const nf_f16 *p, int64_t k) { return nf_h2f(nf_ld16n(p, k)); }
+static inline void st_f16(nf_f16 *p, vf v) { vst1_u16(p, nf_f2h(v)); }
+static inline void stn_f16(nf_f16 *p, vf v, int64_t k) { nf_st16n(p, nf_f2h(v), k); }
+static inline vf rt_f16(vf v) { return nf_h2f(nf_f2h(v)); }
+static inline float nf_f16_to_f32(nf_f16 h) { return vgetq_lane_f32(nf_h2f(vdup_n_u16(h)), 0); }
 
 #else
 /* ================================ portable (vector extensions) ================================ */
@@ -169,7 +331,8 @@ static inline void stn_f16(nf_f16 *p, vf v, int64_t k) {
     memcpy(p, &h, (size_t)k * 2);
 }
 static inline vf rt_f16(vf v) { return __builtin_convertvector(__builtin_convertvector(v, nf_vf16), vf); }
+static inline float nf_f16_to_f32(nf_f16 h) { return (float)h; }
 #endif
 
-#endif /* NF_AVX512 */
+#endif /* ISA */
 #endif /* NF_SIMD_H */

@@ -28,7 +28,7 @@ static inline int nf_num_threads(void) { return 1; }
 #endif
 
 #define NF_INLINE inline __attribute__((always_inline))
-#define NF_ABI_VERSION 2
+#define NF_ABI_VERSION 3
 /* Below this many elements per thread a parallel region costs more than it saves (ATen's grain). */
 #define NF_GRAIN 32768
 /* Rows per block (see nf_kernels.h). */
@@ -92,7 +92,7 @@ static const float *nf_param_f32(const void *p, int dtype, int64_t n, float **ow
     for (int64_t j = 0; j < n; j++) {
         if (dtype == NF_BF16) out[j] = nf_bf16_to_f32(((const uint16_t *)p)[j]);
 #if NF_HAVE_F16
-        else out[j] = (float)((const nf_f16 *)p)[j];
+        else out[j] = nf_f16_to_f32(((const nf_f16 *)p)[j]);
 #endif
     }
     *owned = out;
@@ -120,7 +120,7 @@ static int nf_backward_block_rows(int64_t rows, int64_t n, int64_t elem) {
 
 int nf_abi_version(void) { return NF_ABI_VERSION; }
 
-/* 2 = AVX-512 intrinsics, 1 = portable vector code. */
+/* 2 = AVX-512, 3 = AVX2+FMA+F16C, 4 = NEON, 1 = portable vector code (see nf_simd.h). */
 int nf_isa(void) { return NF_ISA; }
 
 int nf_supports_dtype(int dtype) { return dtype == NF_F32 || dtype == NF_BF16 || (dtype == NF_F16 && NF_HAVE_F16); }
@@ -147,6 +147,13 @@ int nf_forward(int dtype, const void *x, int64_t xs, const void *res, int64_t rs
     free(wo);
     free(bo);
     return 0;
+}
+
+/* The decode-time common case in fewer arguments (each ctypes argument costs ~0.2 us): contiguous
+ * x and y, no residual, no rstd, RMSNorm or CRMSNorm. */
+int nf_forward_simple(int dtype, const void *x, const void *w, int wdt, const void *b, int bdt, void *y,
+                      int64_t rows, int64_t n, float eps, int compressed, int nthreads) {
+    return nf_forward(dtype, x, n, 0, 0, w, wdt, b, bdt, y, 0, 0, rows, n, eps, compressed, nthreads);
 }
 
 /* dx from dy (and ds, the gradient of the fused sum, when given); x is the normalized input (the sum

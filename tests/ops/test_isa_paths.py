@@ -1,0 +1,111 @@
+"""Every ISA path this CPU can run (csrc/nf_simd.h), forced with NORMFOLD_CPU_ISA and checked against
+the float64 reference: every dtype, odd widths, non-contiguous input, 0-row input, NaN / Inf rows.
+Paths the CPU cannot run are skipped with the reason (AVX-512 on an AVX2 machine; NEON on x86 is
+tested under qemu by tests/ops/test_neon_qemu.py)."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from norm_cases import DTYPES, KERNEL_ACTIVE, TOL, check_backward, check_forward, rel
+from normfold import ops
+from normfold.ops import cpu, reference
+
+ALL_ISAS = ["avx512", "avx2", "neon", "portable"]
+RUNNABLE = cpu._chain(cpu.detect_isa())
+
+
+@pytest.fixture(params=ALL_ISAS)
+def isa(request, monkeypatch):
+    name = request.param
+    if not KERNEL_ACTIVE:
+        pytest.skip("CPU kernel unavailable or not selected")
+    if name not in RUNNABLE:
+        pytest.skip(f"this CPU runs {', '.join(RUNNABLE)}; {name} needs another CPU")
+    monkeypatch.setenv("NORMFOLD_CPU_ISA", name)
+    ops.reload_environment()
+    assert cpu.status()["isa"] == name, cpu.status()
+    yield name
+    monkeypatch.undo()
+    ops.reload_environment()
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_forward_and_backward(isa, compressed):
+    for dtype in DTYPES:
+        for shape in [(1, 1), (3, 5), (7, 768), (4, 767), (3, 4095), (2, 3, 129), (5, 4097)]:
+            check_forward(compressed, dtype, shape, "both")
+        check_forward(compressed, dtype, (4, 767), "none")
+        check_backward(compressed, dtype, (9, 767), "both")
+        check_backward(compressed, dtype, (40, 4095), "weight")
+
+
+def test_fused_add(isa):
+    for dtype in DTYPES:
+        for n in (5, 767, 4095):
+            x, r = torch.randn(6, n).to(dtype), torch.randn(6, n).to(dtype)
+            s, y = ops.add_rms_norm(x, r)
+            assert torch.equal(s, x + r) and rel(y, reference.rms_norm(s.double())) <= TOL[dtype]
+
+
+def test_non_contiguous_and_empty(isa):
+    for dtype in DTYPES:
+        base = torch.randn(6, 2 * 767).to(dtype)
+        for x in (base[:, ::2], base[:, :767], base.t()[:767].t(), base[::2, 5:5 + 767]):
+            assert rel(ops.rms_norm(x), reference.rms_norm(x.double())) <= TOL[dtype]
+        empty = torch.empty(0, 767, dtype=dtype)
+        assert ops.rms_norm(empty).shape == (0, 767)
+
+
+def test_non_finite_rows_like_layernorm(isa):
+    x = torch.randn(4, 767)
+    x[0, 5] = float("nan")
+    x[1, 700] = float("inf")
+    x[2, 3] = float("-inf")
+    for dtype in DTYPES:
+        xd = x.to(dtype)
+        y = ops.rms_norm(xd, torch.ones(767, dtype=dtype))
+        ln = F.layer_norm(xd.float(), (767,))
+        assert torch.equal(y.isnan(), ln.isnan()), dtype  # rows 0-2 all NaN, row 3 finite
+        assert y[3].isfinite().all()
+
+
+def test_float16_uses_hardware_conversion(isa):
+    # The ISA paths convert float16 with F16C / AVX-512 / NEON instructions; check the library
+    # holds them (the portable build may not: it is not an ISA path).
+    if isa == "portable":
+        pytest.skip("the portable build is compiler-vectorized, no fixed instruction")
+    import shutil
+    import subprocess
+    if not shutil.which("objdump"):
+        pytest.skip("objdump not installed")
+    dis = subprocess.run(["objdump", "-d", cpu.status()["library"]], capture_output=True, text=True).stdout
+    wide = [line for line in dis.splitlines() if ("vcvtph2ps" in line or "vcvtps2ph" in line)
+            and ("%ymm" in line or "%zmm" in line)]
+    assert any("vcvtph2ps" in line for line in wide) and any("vcvtps2ph" in line for line in wide)
+
+
+def test_forcing_a_path_the_cpu_cannot_run_is_refused(monkeypatch):
+    monkeypatch.setattr(cpu, "detect_isa", lambda: "portable")
+    monkeypatch.setenv("NORMFOLD_CPU_ISA", "avx512")
+    try:
+        want, note = cpu._requested_isa()
+        assert want == "portable" and "cannot run" in note
+        monkeypatch.setenv("NORMFOLD_CPU_ISA", "sse9")
+        want, note = cpu._requested_isa()
+        assert want == "portable" and "not one of" in note
+    finally:
+        monkeypatch.undo()
+        ops.reload_environment()
+
+
+def test_info_names_the_path():
+    info = ops.info()
+    assert info["cpu"]["cpu_isa"] in ALL_ISAS
+    if KERNEL_ACTIVE:
+        assert info["cpu"]["isa"] in RUNNABLE
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert "isa" in ops.info()["cpu"]
