@@ -18,7 +18,10 @@ COLUMNS = ["model", "dtype", "batch", "seq", "original_ms", "converted_ms", "nai
            "converted/original", "naive/original", "converted_vs_original", "original_norm_ms", "converted_norm_ms"]
 
 
-def norm_time(model, run, repeats: int = 50) -> float:
+NORM_REPEATS = 50
+
+
+def norm_time(model, run, repeats: int = NORM_REPEATS, tick=None) -> float:
     """Milliseconds per forward spent inside norm modules (LayerNorm / normfold norms), timed with
     forward hooks. End-to-end medians of a small model move by a few percent between runs; this
     isolates the part of the forward the conversion changes."""
@@ -39,6 +42,8 @@ def norm_time(model, run, repeats: int = 50) -> float:
         spent[0] = 0.0
         for _ in range(repeats):
             run()
+            if tick is not None:
+                tick()
     finally:
         for h in handles:
             h.remove()
@@ -68,27 +73,46 @@ def _naive(model):
     return naive
 
 
+# --to crmsnorm adds the Pre-CRMSNorm model on the d−1 stream and its zero-padded d-wide form (paper 001 §3.4.2).
+CRMS_COLUMNS = ["crms_ms", "crms_pad_ms", "crms/original", "crms/converted", "crms_pad/converted",
+                "crms_vs_converted", "crms_pad_vs_converted", "crms_norm_ms"]
+
+
 def run(model_path=None, out_dir="benchmarks", dtypes=("float32", "bfloat16"), shapes=((1, 128), (8, 256)),
-        rounds: int = 15, progress: bool = True, name: str | None = None):
+        rounds: int = 15, progress: bool = True, name: str | None = None, to: str = "rmsnorm"):
     from .. import convert
     from ..io import load_source
 
+    from .. import ops
+
     machine = machine_info()
     machine["allocator"] = steady_allocator()  # no page faults inside the timings
+    machine["normfold_cpu_isa"] = ops.info()["cpu"]["isa"]
     rows = []
-    bar = Bar(len(dtypes) * len(shapes) * rounds, "bench model", enabled=progress)
+    if to not in ("rmsnorm", "crmsnorm"):
+        raise ValueError(f"bench model --to {to!r}: choose rmsnorm or crmsnorm")
+    # Units of progress: one forward of one model. A timed round runs every candidate (at least once
+    # each), the per-norm pass NORM_REPEATS forwards of each model it times; all of it is on the bar.
+    n_cands, n_norm = (5, 3) if to == "crmsnorm" else (3, 2)
+    per_shape = n_cands * rounds + n_norm * NORM_REPEATS
+    bar = Bar(len(dtypes) * len(shapes) * per_shape, "bench model", enabled=progress)
     for dname in dtypes:
         model, source = load_source(model_path, dtype=dname)
         converted, report = convert(model, verify=False)
         naive = _naive(converted)
+        extra = {}
+        if to == "crmsnorm":
+            extra = {"crms": convert(model, to="crmsnorm", verify=False)[0],
+                     "crms_pad": convert(model, to="crmsnorm", verify=False, variant_options={"pad": True})[0]}
         vocab = model.config.vocab_size
         for batch, seq in shapes:
             ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
             cands = {k: (lambda m=m: m(input_ids=ids, use_cache=False)) for k, m in
-                     (("original", model), ("converted", converted), ("naive", naive))}
+                     (("original", model), ("converted", converted), ("naive", naive), *extra.items())}
             with torch.inference_mode():
-                s = measure(cands, rounds=rounds, min_time=0.05, tick=bar.step)  # ≥50 ms a sample: steadier medians
-                norm_ms = {k: norm_time(m, cands[k]) for k, m in (("original", model), ("converted", converted))}
+                s = measure(cands, rounds=rounds, min_time=0.05, tick=lambda: bar.step(len(cands)))  # ≥50 ms a sample
+                norm_ms = {k: norm_time(m, cands[k], tick=bar.step)
+                           for k, m in (("original", model), ("converted", converted))}
             ms = {k: v.median * 1e3 for k, v in s.items()}
             rows.append({"model": name or source["model"], "dtype": dname, "batch": batch, "seq": seq,
                          "original_ms": ms["original"], "converted_ms": ms["converted"], "naive_rms_ms": ms["naive"],
@@ -98,7 +122,18 @@ def run(model_path=None, out_dir="benchmarks", dtypes=("float32", "bfloat16"), s
                          "original_norm_ms": norm_ms["original"], "converted_norm_ms": norm_ms["converted"],
                          "original_q25_ms": s["original"].q25 * 1e3, "original_q75_ms": s["original"].q75 * 1e3,
                          "converted_q25_ms": s["converted"].q25 * 1e3, "converted_q75_ms": s["converted"].q75 * 1e3})
+            if extra:
+                with torch.inference_mode():
+                    crms_norm_ms = norm_time(extra["crms"], cands["crms"], tick=bar.step)
+                rows[-1].update({"crms_ms": ms["crms"], "crms_pad_ms": ms["crms_pad"],
+                                 "crms/original": ms["crms"] / ms["original"],
+                                 "crms/converted": ms["crms"] / ms["converted"],
+                                 "crms_pad/converted": ms["crms_pad"] / ms["converted"],
+                                 "crms_vs_converted": verdict(s["crms"], s["converted"]),
+                                 "crms_pad_vs_converted": verdict(s["crms_pad"], s["converted"]),
+                                 "crms_norm_ms": crms_norm_ms})
     bar.close()
-    paths = write(rows, "model", out_dir, machine, COLUMNS,
+    paths = write(rows, "model" if to == "rmsnorm" else f"model-{to}", out_dir, machine,
+                  COLUMNS + (CRMS_COLUMNS if to == "crmsnorm" else []),
                   "End-to-end forward time, original vs converted (median ms; lower is better)")
     return rows, paths

@@ -8,7 +8,7 @@ import importlib
 import sys
 import traceback
 
-from .. import __version__
+from .._version import __version__
 from ..errors import NormfoldError
 
 _COMMANDS = ("convert", "verify", "analyze", "fuse", "bench")

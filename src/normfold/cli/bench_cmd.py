@@ -15,6 +15,8 @@ suites:
           floor), float32 / bfloat16 / float16 (--quick: float32 and bfloat16, 3 shapes)
   model   end-to-end forward of a model (default: the bundled one) before and after conversion,
           and with a naive F.rms_norm swap for comparison
+  calls   per-call time of normfold.nn.RMSNorm (as a conversion builds it) and CRMSNorm vs
+          nn.LayerNorm at decode sizes ((1, d), (16, d)), every dtype
   e2e     paper 001 Table 3: ViT (Table 2 sizes) and GPT-3 Small/Medium with random weights, as
           Pre-LN, Pre-RMSNorm and Pre-CRMSNorm (converted by normfold, same function) and without
           norms (the floor); time normalized to Pre-LN and the share of the LN-to-no-norm gap
@@ -23,6 +25,13 @@ suites:
           GPT-2-medium-sized random checkpoint
   un      inference of models with fused Unified Normalization vs their LayerNorm originals and
           the no-norm floor (ViT-Ti/16 and a small GPT-2; --batches, default 1,8)
+  train   training from scratch (the bundled model's architecture on its KJV text): LayerNorm vs
+          normfold.train Pre-RMSNorm / Pre-CRMSNorm vs a naive RMSNorm swap vs LayerNorm from θ₀
+          moved by 1 ulp (the float32 chaos floor); loss curves (CSV, PNG)
+          (--steps, default 120; --text FILE: the KJV as printed by Debian's `bible` tool)
+  train-speed
+          training step time (forward + backward + AdamW) of LayerNorm vs normfold.train-prepared
+          models: the bundled model (8x256) and ViT-S/16 (batch 8), eager and torch.compile
 
 on a GPU (one command each):
   normfold bench ops --device cuda     Triton kernels vs F.layer_norm / F.rms_norm /
@@ -46,10 +55,17 @@ def add_parser(sub) -> None:
                    "vit-large, vit-huge, gpt3-small, gpt3-medium")
     p.add_argument("--batches", type=_csv_int, metavar="B,..", help="e2e: ViT batch sizes (default 1,16,64); "
                    "un: batch sizes (default 1,8)")
-    p.add_argument("--dtypes", type=_csv, metavar="D,..", help="e2e: float32, bfloat16, float16 (CPU or GPU), "
-                   "amp-bf16, amp-fp16 (GPU autocast)")
+    p.add_argument("--dtypes", type=_csv, metavar="D,..", help="ops, model: float32, bfloat16, float16; "
+                   "e2e: those (CPU or GPU) and amp-bf16, amp-fp16 (GPU autocast)")
+    p.add_argument("--to", default="rmsnorm", choices=["rmsnorm", "crmsnorm"],
+                   help="model: crmsnorm also times Pre-CRMSNorm (d-1 stream) and its zero-padded form (--pad)")
     p.add_argument("--eager", action="store_true", help="ops --device cuda: time eager launches (with Python "
                    "overhead) instead of CUDA-graph replays")
+    p.add_argument("--steps", type=int, help="train: optimizer steps (default 120)")
+    p.add_argument("--text", metavar="FILE", help="train: KJV text file (default: from Debian's bible-kjv packages)")
+    p.add_argument("--no-compile", action="store_true", help="train-speed: eager only")
+    p.add_argument("--dropout", action="store_true", help="train-speed: keep the models' dropout (p = 0.1): "
+                   "the cost of normfold's exact dropout handling")
     p.set_defaults(run=run)
 
 
@@ -73,15 +89,37 @@ def _ops(args):
                            graphs=not args.eager)
     from ..bench import ops
 
-    return ops.run(args.out, quick=args.quick, rounds=args.rounds or (10 if args.quick else 30), progress=progress)
+    return ops.run(args.out, quick=args.quick, rounds=args.rounds or (10 if args.quick else 30), progress=progress,
+                   dtypes=_plain_dtypes(args.dtypes))
 
 
 def _model(args):
     from ..bench import model
 
     kwargs = {"shapes": ((1, 64),), "dtypes": ("float32",)} if args.quick else {}
+    if args.dtypes:
+        kwargs["dtypes"] = _plain_dtypes(args.dtypes)
     return model.run(args.model, args.out, rounds=args.rounds or (5 if args.quick else 40),
-                     progress=not args.quiet, **kwargs)
+                     progress=not args.quiet, to=args.to, **kwargs)
+
+
+PLAIN_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _plain_dtypes(names):
+    if not names:
+        return None
+    bad = [n for n in names if n not in PLAIN_DTYPES]
+    if bad:
+        raise BenchOptionError(f"--dtypes: {', '.join(bad)} not one of {', '.join(PLAIN_DTYPES)} for this suite")
+    return tuple(names)
+
+
+def _calls(args):
+    from ..bench import calls
+
+    return calls.run(args.out, rounds=args.rounds or (5 if args.quick else 30), progress=not args.quiet,
+                     dtypes=_plain_dtypes(args.dtypes), shapes=[(1, 768), (16, 768)] if args.quick else None)
 
 
 def _e2e(args):
@@ -104,14 +142,79 @@ def _un(args):
     return un.run(args.out, batches=batches, rounds=args.rounds or (5 if args.quick else 10), progress=not args.quiet)
 
 
+def _train(args):
+    from ..bench import train
+
+    steps = args.steps or (20 if args.quick else 120)
+    return train.run(args.out, steps=steps, text=args.text, progress=not args.quiet,
+                     eval_every=5 if args.quick else 20)
+
+
+def _train_speed(args):
+    from ..bench import train
+
+    return train.run_speed(args.out, rounds=args.rounds or (3 if args.quick else 15), quick=args.quick,
+                           compile=not args.no_compile, progress=not args.quiet, dropout=args.dropout)
+
+
 # suite name -> runner(args) -> (rows, written paths)
-SUITES = {"ops": _ops, "model": _model, "e2e": _e2e, "convert": _convert, "un": _un}
+SUITES = {"ops": _ops, "calls": _calls, "model": _model, "e2e": _e2e, "convert": _convert, "un": _un,
+          "train": _train, "train-speed": _train_speed}
+
+
+# The options each suite honours; any other option given a non-default value is refused (exit 2)
+# rather than silently ignored.
+ACCEPTS = {
+    "ops": {"quick", "rounds", "device", "dtypes", "eager"},
+    "model": {"model", "quick", "rounds", "dtypes", "to"},
+    "calls": {"quick", "rounds", "dtypes"},
+    "e2e": {"quick", "rounds", "device", "compile", "models", "batches", "dtypes"},
+    "convert": {"quick", "rounds"},
+    "un": {"quick", "rounds", "batches"},
+    "train": {"quick", "steps", "text"},
+    "train-speed": {"quick", "rounds", "no_compile", "dropout"},
+}
+_DEFAULTS = {"model": None, "quick": False, "rounds": None, "device": "cpu", "compile": False, "models": None,
+             "batches": None, "dtypes": None, "eager": False, "to": "rmsnorm",
+             "steps": None, "text": None, "no_compile": False, "dropout": False}
+
+
+class BenchOptionError(ValueError):
+    pass
+
+
+def _refused(args) -> list[str]:
+    out = []
+    for opt, default in _DEFAULTS.items():
+        if getattr(args, opt, default) != default and opt not in ACCEPTS[args.suite]:
+            out.append("MODEL" if opt == "model" else "--" + opt.replace("_", "-"))
+    if args.suite == "ops" and args.device == "cpu" and args.eager:
+        out.append("--eager (only with --device cuda)")
+    if args.suite == "ops" and args.device != "cpu" and args.dtypes:
+        out.append("--dtypes (only on cpu)")
+    return out
 
 
 def run(args) -> int:
+    import sys
     from pathlib import Path
 
-    rows, paths = SUITES[args.suite](args)
+    refused = _refused(args)
+    if refused:
+        print(f"normfold bench {args.suite}: does not take {', '.join(refused)} "
+              f"(it honours: {', '.join(sorted(ACCEPTS[args.suite])) or 'no options'})", file=sys.stderr)
+        return 2
+    if args.device == "cpu" and not args.quiet:
+        from ..ops import cpu
+
+        st = cpu.status()
+        print(f"normfold CPU kernel: {st['isa'] + ' path' if st['available'] else 'unavailable (' + str(st['error']) + ')'}"
+              f" (this CPU: {st['cpu_isa']})", file=sys.stderr)
+    try:
+        rows, paths = SUITES[args.suite](args)
+    except BenchOptionError as exc:
+        print(f"normfold bench {args.suite}: {exc}", file=sys.stderr)
+        return 2
     print(Path(paths["md"]).read_text())
     print("written: " + ", ".join(str(p) for p in paths.values()))
     return 0

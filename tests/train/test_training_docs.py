@@ -1,0 +1,36 @@
+"""The python examples of docs/training.md run as written (in order, one namespace)."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "training.md"
+
+
+def test_doc_examples_run(capsys):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+    assert len(blocks) == 3
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, str(DOC), "exec"), namespace)
+    out = capsys.readouterr().out
+    assert "prepared for rmsnorm training" in out and "loss after 3 steps" in out
+    assert "True" in out and "PreparedLayerNorm" not in out
+
+
+def test_readme_training_examples_run():
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    readme = (DOC.parents[1] / "README.md").read_text()
+    section = readme.split("## Training\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 2
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), namespace)
+    from normfold import train
+
+    assert not train.is_prepared(namespace["model"])
