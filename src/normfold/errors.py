@@ -37,6 +37,10 @@ class OutputExistsError(NormfoldError):
     """The output directory exists and --force was not given."""
 
 
+class OutputWriteError(NormfoldError):
+    """The output cannot be written (not writable, disk full); nothing is left at --out."""
+
+
 class CheckpointError(NormfoldError):
     """A saved normfold checkpoint is missing files or is inconsistent."""
 

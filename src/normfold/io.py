@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 
 import copy
+import errno
 import json
 import os
 import re
@@ -31,8 +32,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import checkpoint_guard as guard
 from .adapters.base import get, parent_and_leaf
-from .errors import CheckpointError, ModelNotFoundError, NormfoldError, NotAModelError, OutputExistsError
+from .errors import (CheckpointError, ModelNotFoundError, NormfoldError, NotAModelError, OutputExistsError,
+                     OutputWriteError)
 from .nn import norm_type
 from .nn.hooks import add_input_recenter, add_output_recenter
 from .report import ConversionReport, Structure
@@ -77,10 +80,15 @@ def model_class(config):
         raise NotAModelError(f"transformers has no model class for config type {type(config).__name__}") from None
 
 
-def load_source(source: str | os.PathLike | None, dtype: str | torch.dtype | None = None) -> tuple[nn.Module, dict]:
+def load_source(source: str | os.PathLike | None, dtype: str | torch.dtype | None = None, *,
+                trust_remote_code: bool = False) -> tuple[nn.Module, dict]:
     """Load MODEL for conversion: a local HF directory, a hub id (when online), or None = bundled model.
 
-    Returns (model in eval mode, source description). Never sets trust_remote_code."""
+    A local directory is inspected first (`normfold.checkpoint_guard`): broken or hostile weight files,
+    configs that need the checkpoint's own code (unless trust_remote_code) and weights whose shapes
+    disagree with the config are refused before transformers reads them.
+
+    Returns (model in eval mode, source description)."""
     transformers = _transformers()
     bundled = source is None
     path = default_model_path() if bundled else Path(source)
@@ -97,11 +105,22 @@ def load_source(source: str | os.PathLike | None, dtype: str | torch.dtype | Non
     else:
         raise ModelNotFoundError(f"{source}: no such directory (MODEL must be a local Hugging Face model "
                                  "directory or a hub id like 'gpt2')")
+    info = None
+    if path.exists():
+        info = guard.inspect_checkpoint(path)  # before any loader touches the files
+        guard.check_remote_code(path / "config.json", trust_remote_code)
     try:
-        config = transformers.AutoConfig.from_pretrained(where)
+        config = transformers.AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code)
         cls = model_class(config)
-        model = cls.from_pretrained(where, dtype=torch_dtype or "auto")
+        if info is not None:
+            guard.check_shapes(info, _on_meta(cls, config))
+        model = cls.from_pretrained(where, dtype=torch_dtype or "auto", trust_remote_code=trust_remote_code)
     except NormfoldError:
+        raise
+    except RuntimeError as exc:  # transformers' own size-mismatch report, if check_shapes missed a renamed key
+        if "mismatched" in str(exc) or "size mismatch" in str(exc):
+            raise guard.CheckpointError(f"{path}: weights do not match config.json ({_first_line(exc)}); use the "
+                                        "config.json published with these weights") from None
         raise
     except (OSError, ValueError, KeyError, EnvironmentError) as exc:
         if path.exists():
@@ -112,6 +131,15 @@ def load_source(source: str | os.PathLike | None, dtype: str | torch.dtype | Non
     info = {"model": "bundled:kjv-gpt2" if bundled else str(source), "architecture": type(model).__name__,
             "model_type": getattr(config, "model_type", None), "path": str(path) if path.exists() else None}
     return model, info
+
+
+def _on_meta(cls, config) -> nn.Module | None:
+    """The model the config builds, on the meta device (no memory); None if it cannot be built there."""
+    try:
+        with torch.device("meta"):
+            return cls(config)
+    except Exception:  # exotic constructors: transformers' own size check still applies
+        return None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -135,11 +163,39 @@ def _parse_dtype(dtype) -> torch.dtype | None:
 def check_output_dir(out: str | os.PathLike, force: bool) -> Path:
     """Fail early (before any work) if `out` exists and --force was not given."""
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise OutputExistsError(f"{out} exists and is not a directory; choose another --out (normfold never "
+                                "replaces a file)")
     if out.exists() and not force:
         raise OutputExistsError(f"{out} already exists; choose another --out or pass --force to replace it")
-    if out.exists() and not out.is_dir():
-        raise OutputExistsError(f"{out} exists and is not a directory; refusing to replace it")
+    _check_writable(out.absolute().parent, out)
     return out
+
+
+def _check_writable(parent: Path, out: Path) -> None:
+    """The output is written as a temporary directory beside `out`: make sure one can be created there
+    (by trying: os.access says yes to root even on read-only file systems)."""
+    existing = parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise OutputWriteError(f"cannot write {out}: {existing} is a file, not a directory; choose another --out")
+    try:
+        probe = Path(tempfile.mkdtemp(prefix=".normfold-probe-", dir=existing))
+        probe.rmdir()
+    except OSError as exc:
+        raise OutputWriteError(f"cannot write {out}: {existing} is not writable ({exc.strerror or exc}); choose "
+                               "another --out on a writable file system") from None
+
+
+def _write_failed(out: Path, exc: BaseException) -> OutputWriteError:
+    text = str(exc)
+    errno_ = getattr(exc, "errno", None)
+    full = errno_ in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) or any(
+        k in text for k in ("No space left", "File too large", "Disk quota", "os error 28", "os error 27"))
+    why = "the disk is full (or a file-size / quota limit was hit)" if full else _first_line(exc)
+    return OutputWriteError(f"writing {out} failed: {why}. The partial output was removed and nothing was written "
+                            f"at {out}; free space (or choose --out on another disk) and run again")
 
 
 def export_state_dict(model: nn.Module, report: ConversionReport) -> dict[str, torch.Tensor]:
@@ -215,10 +271,12 @@ def save(model: nn.Module, report: ConversionReport, out: str | os.PathLike, *, 
             backup = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
             os.rename(out, backup)
         os.rename(tmp, out)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if backup is not None and not out.exists():
             os.rename(backup, out)
+        if isinstance(exc, OSError) or type(exc).__name__ == "SafetensorError":
+            raise _write_failed(out, exc) from None
         raise
     if backup is not None:
         shutil.rmtree(backup, ignore_errors=True)

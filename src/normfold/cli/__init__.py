@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 import traceback
 
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     _quiet_third_party()
+    previous = _terminate_as_interrupt()
     try:
         return int(args.run(args) or 0)
     except NormfoldError as exc:
@@ -69,6 +71,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"normfold {args.command}: internal error (this is a bug in normfold; please report it "
               "with the traceback above)", file=sys.stderr)
         return 3
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate_as_interrupt():
+    """SIGTERM (kill, a job scheduler's timeout) unwinds like Ctrl-C, so the temporary output is removed."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread (main() called from a worker thread): leave it alone
+        return None
 
 
 def _quiet_third_party() -> None:

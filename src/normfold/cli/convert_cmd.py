@@ -93,6 +93,9 @@ def add_parser(sub) -> None:
                    help="trace and verify on these forward inputs: a .safetensors file, one tensor per "
                         "keyword argument (e.g. pixel_values at another image size)")
     p.add_argument("--text", help="verify on this text (tokenized with MODEL's tokenizer) instead of random tokens")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers import Python code shipped with MODEL (configs with an auto_map or an "
+                        "unknown model_type); without it such models are refused and nothing from them runs")
     p.add_argument("--seed", type=int, default=0, help="seed of the random verification inputs (default 0)")
     p.add_argument("--fp64-tol", type=float, default=1e-9, metavar="TOL",
                    help="max relative error of the float64 check (default 1e-9)")
@@ -155,7 +158,7 @@ def run(args) -> int:
     steps = Steps(total=3 if args.dry_run else 4, quiet=args.quiet)
 
     steps.start("load", f"loading {args.model or 'the bundled default model (kjv-gpt2)'}")
-    model, source = _load(args.model, args.dtype)
+    model, source = _load(args.model, args.dtype, trust_remote_code=args.trust_remote_code)
     inputs = None
     if args.text:
         inputs = _text_inputs(source["path"] or args.model, args.text)
@@ -238,7 +241,7 @@ def derived_summary(analysis) -> str:
     return "\n".join([head] + [f"    {x}" for x in shown])
 
 
-def _load(model, dtype):
+def _load(model, dtype, trust_remote_code=False):
     """MODEL: a normfold checkpoint (normfold.json: converted back with --to rmsnorm/layernorm/crmsnorm,
     paper 001 App. C) or any Hugging Face model."""
     from pathlib import Path
@@ -250,7 +253,7 @@ def _load(model, dtype):
         return loaded, {"model": str(model), "architecture": type(loaded).__name__,
                         "model_type": getattr(loaded.config, "model_type", None), "path": str(model),
                         "normfold_variant": loaded.normfold_report.variant}
-    return io.load_source(model, dtype=dtype)
+    return io.load_source(model, dtype=dtype, trust_remote_code=trust_remote_code)
 
 
 def _size_rows(size: dict) -> list[list[str]]:

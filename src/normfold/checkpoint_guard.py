@@ -1,0 +1,233 @@
+"""Inspect a model directory before anything loads it: refuse broken or hostile files cleanly.
+
+Everything here reads bytes and JSON only (no torch deserialization, no transformers, no code from the
+checkpoint), so a truncated file, an absurd header or a pickle with code in it ends in a one-paragraph
+`CheckpointError` instead of a traceback from deep inside a loader.
+
+    info = inspect_checkpoint(model_dir)          # validates every weight file's header
+    check_shapes(model_dir, info, model_on_meta)   # header shapes vs what the config builds
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import CheckpointError, NormfoldError
+
+SAFETENSORS_SINGLE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PICKLE_SINGLE = "pytorch_model.bin"
+PICKLE_INDEX = "pytorch_model.bin.index.json"
+
+# bytes per element of every dtype the safetensors format defines
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+             "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit for the JSON header
+
+_WHAT_TO_DO = "re-download or re-export the checkpoint (e.g. save_pretrained with safetensors)"
+
+
+class RemoteCodeError(NormfoldError):
+    """The model's config asks for code shipped with the checkpoint (trust_remote_code)."""
+
+
+@dataclass
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+
+
+@dataclass
+class CheckpointInfo:
+    """What a model directory holds, validated."""
+
+    directory: Path
+    format: str  # "safetensors" | "pickle"
+    files: list[Path] = field(default_factory=list)
+    tensors: dict[str, TensorEntry] = field(default_factory=dict)  # safetensors only (from headers)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.files)
+
+    @property
+    def largest_file_bytes(self) -> int:
+        return max((f.stat().st_size for f in self.files), default=0)
+
+
+def inspect_checkpoint(directory: str | os.PathLike) -> CheckpointInfo:
+    """Find the weight files of an HF model directory and validate them without loading them."""
+    directory = Path(directory)
+    if (directory / SAFETENSORS_INDEX).is_file() or (directory / SAFETENSORS_SINGLE).is_file():
+        files = _index_files(directory, SAFETENSORS_INDEX, SAFETENSORS_SINGLE)
+        info = CheckpointInfo(directory, "safetensors", files)
+        for f in files:
+            for entry in read_safetensors_header(f):
+                info.tensors[entry.name] = entry
+        return info
+    if (directory / PICKLE_INDEX).is_file() or (directory / PICKLE_SINGLE).is_file():
+        files = _index_files(directory, PICKLE_INDEX, PICKLE_SINGLE)
+        for f in files:
+            check_pickle_tensors_only(f)
+        return CheckpointInfo(directory, "pickle", files)
+    raise CheckpointError(f"{directory} has no weights: expected {SAFETENSORS_SINGLE}, {SAFETENSORS_INDEX}, "
+                          f"{PICKLE_SINGLE} or {PICKLE_INDEX} beside config.json")
+
+
+def _index_files(directory: Path, index_name: str, single_name: str) -> list[Path]:
+    index = directory / index_name
+    if not index.is_file():
+        return [directory / single_name]
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{index} is not a valid shard index (JSON with a 'weight_map' of tensor -> file): "
+                              f"{exc}; {_WHAT_TO_DO}") from None
+    files = []
+    for name in names:
+        if not isinstance(name, str) or "/" in name or "\\" in name or name.startswith(".."):
+            raise CheckpointError(f"{index} names the shard {name!r}, which is not a file name inside "
+                                  f"{directory}; refusing to read outside the model directory")
+        f = directory / name
+        if not f.is_file():
+            raise CheckpointError(f"{index} lists {name}, which is missing from {directory}; the download is "
+                                  f"incomplete: {_WHAT_TO_DO}")
+        files.append(f)
+    return files
+
+
+def read_safetensors_header(path: Path) -> list[TensorEntry]:
+    """Validate one safetensors file's header against its size; return its tensors."""
+    size = path.stat().st_size
+    where = f"{path}"
+    if size < 8:
+        raise CheckpointError(f"{where} is {'empty' if size == 0 else f'only {size} bytes'}, not a safetensors "
+                              f"file: {_WHAT_TO_DO}")
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        if n < 2 or n > min(size - 8, MAX_HEADER):
+            raise CheckpointError(f"{where}: corrupted safetensors header (its length field says {n} bytes, the "
+                                  f"file has {size}); the file is truncated or not safetensors: {_WHAT_TO_DO}")
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{where}: corrupted safetensors header (invalid JSON: {exc}): {_WHAT_TO_DO}") from None
+    data_len = size - 8 - n
+    entries, spans = [], []
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = meta["dtype"], [int(d) for d in meta["shape"]], meta["data_offsets"]
+            begin, end = int(begin), int(end)
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{where}: corrupted safetensors header (entry {name!r} lacks a valid dtype, "
+                                  f"shape or data_offsets): {_WHAT_TO_DO}") from None
+        if dtype not in _ITEMSIZE:
+            raise CheckpointError(f"{where}: tensor {name!r} has unknown dtype {dtype!r}: {_WHAT_TO_DO}")
+        if any(d < 0 for d in shape) or not 0 <= begin <= end:
+            raise CheckpointError(f"{where}: tensor {name!r} has a negative shape or offsets: {_WHAT_TO_DO}")
+        if end > data_len:
+            raise CheckpointError(f"{where}: tensor {name!r} ends at byte {end} of a {data_len}-byte data section; "
+                                  f"the file is truncated: {_WHAT_TO_DO}")
+        if end - begin != math.prod(shape) * _ITEMSIZE[dtype]:
+            raise CheckpointError(f"{where}: tensor {name!r} has {end - begin} bytes for shape {shape} in {dtype}: "
+                                  f"corrupted header: {_WHAT_TO_DO}")
+        spans.append((begin, end, name))
+        entries.append(TensorEntry(name, dtype, tuple(shape), path.name))
+    spans.sort()
+    for (b0, e0, a), (b1, e1, b) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise CheckpointError(f"{where}: tensors {a!r} and {b!r} overlap in the file: corrupted header: "
+                                  f"{_WHAT_TO_DO}")
+    if spans and spans[-1][1] != data_len:
+        raise CheckpointError(f"{where}: the data section has {data_len} bytes but the tensors cover "
+                              f"{spans[-1][1]}; the file is truncated or has trailing garbage: {_WHAT_TO_DO}")
+    return entries
+
+
+def check_pickle_tensors_only(path: Path) -> None:
+    """A pickle checkpoint is read only with torch.load(weights_only=True): tensors and plain containers.
+    Anything else (code, arbitrary objects) is refused; nothing in it is executed."""
+    import pickle
+
+    import torch
+
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"{path} is empty, not a PyTorch checkpoint: {_WHAT_TO_DO}")
+    try:
+        state = torch.load(path, map_location="meta", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
+        first = next((x for x in lines if "GLOBAL" in x or "Unsupported" in x), lines[0] if lines else "")[:300]
+        raise CheckpointError(
+            f"{path} is a pickle that contains objects other than tensors ({first}); normfold loads pickle "
+            f"checkpoints only with torch.load(weights_only=True) and never runs code from them. If you trust "
+            f"its source, convert it to safetensors yourself; otherwise do not use it") from None
+    except Exception as exc:  # truncated zip, not a pickle, ...
+        raise CheckpointError(f"{path} could not be read as a PyTorch checkpoint ({type(exc).__name__}: "
+                              f"{str(exc).strip()[:200]}): {_WHAT_TO_DO}") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{path} does not hold a state dict (a mapping of names to tensors): {_WHAT_TO_DO}")
+
+
+def check_remote_code(config_path: Path, trust_remote_code: bool) -> None:
+    """Refuse a config that needs code from the checkpoint unless the user said --trust-remote-code."""
+    try:
+        config = json.loads(config_path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{config_path} is not valid JSON ({exc}): {_WHAT_TO_DO}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path} is not a JSON object: {_WHAT_TO_DO}")
+    if trust_remote_code:
+        return
+    needs = []
+    if config.get("auto_map"):
+        needs.append(f"its config has an auto_map ({', '.join(sorted(config['auto_map']))})")
+    model_type = config.get("model_type")
+    if model_type is not None and not _known_model_type(model_type):
+        needs.append(f"its model_type {model_type!r} is not one transformers knows")
+    if needs:
+        raise RemoteCodeError(
+            f"{config_path.parent} needs code shipped with the checkpoint ({'; '.join(needs)}). normfold does not "
+            f"run code from checkpoints unless you pass --trust-remote-code (then transformers imports the "
+            f"checkpoint's Python files: only do this for a source you trust)")
+
+
+def _known_model_type(model_type: str) -> bool:
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    except ImportError:  # no transformers: load_source fails later with its own message
+        return True
+    return model_type in CONFIG_MAPPING
+
+
+def check_shapes(info: CheckpointInfo, model) -> None:
+    """Compare header shapes with the parameters the config builds (model on the meta device)."""
+    if not info.tensors or model is None:
+        return
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    bad = []
+    for name, entry in info.tensors.items():
+        want = expected.get(name)
+        if want is None and prefix:
+            want = expected.get(f"{prefix}.{name}") or expected.get(name.removeprefix(f"{prefix}."))
+        if want is not None and want != entry.shape:
+            bad.append(f"{name}: file {list(entry.shape)}, config {list(want)}")
+    if bad:
+        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise CheckpointError(
+            f"{info.directory}: weights do not match config.json: {'; '.join(bad[:3])}{more}. The config and the "
+            f"weights come from different models or versions: use the config.json published with these weights")
