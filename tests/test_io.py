@@ -136,7 +136,7 @@ def test_failed_first_save_leaves_nothing(tmp_path, monkeypatch):
     model = tiny()
     conv, report = normfold.convert(model, verify=False)
     monkeypatch.setattr(type(conv.config), "save_pretrained", lambda *a, **k: (_ for _ in ()).throw(OSError("x")))
-    with pytest.raises(OSError):
+    with pytest.raises(normfold.errors.OutputWriteError, match="nothing was written"):
         normfold.save(conv, report, tmp_path / "never")
     assert list(tmp_path.iterdir()) == []
 

@@ -77,8 +77,8 @@ def inspect_checkpoint(directory: str | os.PathLike) -> CheckpointInfo:
         for f in files:
             check_pickle_tensors_only(f)
         return CheckpointInfo(directory, "pickle", files)
-    raise CheckpointError(f"{directory} has no weights: expected {SAFETENSORS_SINGLE}, {SAFETENSORS_INDEX}, "
-                          f"{PICKLE_SINGLE} or {PICKLE_INDEX} beside config.json")
+    raise CheckpointError(f"{directory} could not be loaded as a Hugging Face model: it has no weights (expected {SAFETENSORS_SINGLE}, {SAFETENSORS_INDEX}, "
+                          f"{PICKLE_SINGLE} or {PICKLE_INDEX} beside config.json)")
 
 
 def _index_files(directory: Path, index_name: str, single_name: str) -> list[Path]:
@@ -187,7 +187,8 @@ def check_remote_code(config_path: Path, trust_remote_code: bool) -> None:
     try:
         config = json.loads(config_path.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{config_path} is not valid JSON ({exc}): {_WHAT_TO_DO}") from None
+        raise CheckpointError(f"{config_path.parent} could not be loaded as a Hugging Face model: config.json is "
+                              f"not valid JSON ({exc}): {_WHAT_TO_DO}") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_path} is not a JSON object: {_WHAT_TO_DO}")
     if trust_remote_code:

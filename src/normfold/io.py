@@ -107,8 +107,8 @@ def load_source(source: str | os.PathLike | None, dtype: str | torch.dtype | Non
                                  "directory or a hub id like 'gpt2')")
     info = None
     if path.exists():
-        info = guard.inspect_checkpoint(path)  # before any loader touches the files
         guard.check_remote_code(path / "config.json", trust_remote_code)
+        info = guard.inspect_checkpoint(path)  # before any loader touches the files
     try:
         config = transformers.AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code)
         cls = model_class(config)
