@@ -38,6 +38,7 @@ from .nn.hooks import add_input_recenter, add_output_recenter
 from .report import ConversionReport, Structure
 
 STOCK_WEIGHTS = "model.safetensors"
+STOCK_INDEX = "model.safetensors.index.json"
 NORMFOLD_WEIGHTS = "normfold_model.safetensors"
 REPORT_FILE = "normfold.json"
 # Files copied verbatim from the source model directory (tokenizer, processor, generation config).
@@ -301,7 +302,7 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> nn.
     torch_dtype = _parse_dtype(dtype)
     config = transformers.AutoConfig.from_pretrained(path)
     cls = model_class(config)
-    if (path / STOCK_WEIGHTS).is_file():
+    if (path / STOCK_WEIGHTS).is_file() or (path / STOCK_INDEX).is_file():  # sharded: normfold.stream
         model = cls.from_pretrained(path, dtype=torch_dtype or "auto")
         apply_structure(model, report.structure)
     elif (path / NORMFOLD_WEIGHTS).is_file():

@@ -47,7 +47,7 @@ from ..report import ConversionReport
 from . import safetensors_io as st
 
 Progress = Callable[[str], None]
-INDEX = "model.safetensors.index.json"
+INDEX = io.STOCK_INDEX
 METADATA = {"format": "pt", "normfold": "1"}
 # A writer whose weight is larger than this is centred in row chunks (same result: rows are independent),
 # so float64 temporaries stay small.
