@@ -323,7 +323,7 @@ class Computer:
     def _read(self, name: str) -> torch.Tensor:
         src = self.names[name]
         t = st.read_tensor(self.source.tensors[src])
-        if t.is_floating_point() and not torch.isfinite(t).all():
+        if t.is_floating_point() and not st.all_finite(t):
             raise NonFiniteWeightsError(f"tensor {src} of {self.source.path} has NaN/inf values; no conversion of it "
                                         "can be exact. Fix or re-download the checkpoint.")
         return t
@@ -523,7 +523,7 @@ def _finite_check(dtype: torch.dtype, name: str):
         return None
 
     def check(view) -> None:
-        if not torch.isfinite(torch.frombuffer(view, dtype=dtype)).all():
+        if not st.all_finite(torch.frombuffer(view, dtype=dtype)):
             raise NonFiniteWeightsError(f"tensor {name} has NaN/inf values; no conversion of it can be exact. "
                                         "Fix or re-download the checkpoint.")
     return check

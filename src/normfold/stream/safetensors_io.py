@@ -33,7 +33,7 @@ _RANK = {name: i for i, name in enumerate(
     ["BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16", "F16",
      "BF16", "I32", "U32", "F32", "F64", "I64", "U64"])}
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
-CHUNK = 32 * 1024 * 1024
+CHUNK = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,12 @@ def _numel(shape) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def all_finite(t: torch.Tensor, chunk: int = 1 << 21) -> bool:
+    """torch.isfinite(t).all() in bounded memory (isfinite of a whole tensor allocates several times its size)."""
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
 
 
 def copy_range(src: Path, start: int, nbytes: int, out_fd: int, out_offset: int, check=None) -> None:
