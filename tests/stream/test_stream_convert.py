@@ -129,3 +129,25 @@ def test_non_finite_weight_named(tmp_path):
     save_file(state, src / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(NonFiniteWeightsError, match="h.1.mlp.c_fc.weight"):
         _streamed(src, tmp_path / "st")
+
+
+def test_row_chunks_never_leave_a_single_row():
+    from normfold.stream.convert import row_chunks
+
+    for n in range(1, 40):
+        for rows in (1, 2, 3, 7):
+            bounds = row_chunks(n, rows)
+            assert bounds[0][0] == 0 and bounds[-1][1] == n
+            assert all(b[1] == c[0] for b, c in zip(bounds, bounds[1:]))
+            assert n == 1 or all(b - a >= 2 for a, b in bounds)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_all_finite_matches_isfinite(dtype, bad):
+    from normfold.stream.safetensors_io import all_finite
+
+    t = torch.randn(37, 5).to(dtype)
+    assert all_finite(t)
+    t[20, 3] = bad
+    assert not all_finite(t) and not bool(torch.isfinite(t).all())
