@@ -331,6 +331,7 @@ class Computer:
         return t
 
     def run(self, comp: Component, keys: list[str]) -> dict[str, torch.Tensor]:
+        release_memory()  # the previous component's buffers, freed but kept by malloc
         for name in comp.params:
             parent, leaf = parent_and_leaf(self.model, name)
             setattr(parent, leaf, nn.Parameter(self._read(name), requires_grad=False))
@@ -383,6 +384,25 @@ class Computer:
             if bias is not None:
                 bias.copy_(_center_bias(bias))
         return True
+
+
+def _malloc_trim():
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def release_memory() -> None:
+    """Give freed heap memory back to the OS. Tensors of a few MB come from malloc's heap, which glibc does not
+    shrink on its own: without this, resident memory grew ~30 MB per GPT-2-XL layer (fragmentation)."""
+    if _TRIM is not None:
+        _TRIM(0)
 
 
 def row_chunks(n: int, rows: int) -> list[tuple[int, int]]:
