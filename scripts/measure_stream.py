@@ -48,9 +48,12 @@ def main(argv=None) -> int:
     largest = max(f.stat().st_size for f in shards)
 
     baseline = run_child([sys.executable, "-c", "import torch, transformers, normfold, normfold.stream"])
+    # os.sync() (untimed) before each timed step: neither starts behind the other's dirty-page writeback
     copy_dir = work / "copy"
+    os.sync()
     copy = run_child(["cp", "-r", str(src), str(copy_dir)])
     shutil.rmtree(copy_dir)
+    os.sync()
     out = work / "converted"
     conv = run_child([sys.executable, "-m", "normfold", "convert", str(src), "--out", str(out), "--stream", "always",
                       "-q", "--json"])
