@@ -87,3 +87,30 @@ def test_two_processes_two_outputs(ckpt, tmp_path):
     files = sorted(f.name for f in (tmp_path / "a").iterdir() if f.suffix == ".safetensors")
     assert all((tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes() for f in files)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+def test_auto_streams_above_threshold(ckpt, tmp_path, capsys, monkeypatch):
+    from normfold.stream import cli as stream_cli
+
+    monkeypatch.setattr(stream_cli, "AUTO_BYTES", 1)
+    assert main(["convert", str(ckpt), "--out", str(tmp_path / "o"), "-q", "--json"]) == 0
+    assert "normfold.stream" in " ".join(json.loads(capsys.readouterr().out)["notes"])
+    # an option that needs the in-memory model keeps auto in memory
+    assert main(["convert", str(ckpt), "--out", str(tmp_path / "p"), "-q", "--json", "--text", "x"]) in (0, 2)
+    assert "normfold.stream" not in capsys.readouterr().out
+
+
+def test_disk_full_is_a_user_error(ckpt, tmp_path, capsys, monkeypatch):
+    import errno
+
+    from normfold.stream import convert as stream_convert_mod
+
+    def full(fd, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(stream_convert_mod, "_preallocate", full)
+    code = main(["convert", str(ckpt), "--out", str(tmp_path / "out"), "--stream", "always", "-q"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "No space left" in err and "Traceback" not in err
+    assert not any(tmp_path.iterdir())

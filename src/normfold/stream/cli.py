@@ -88,7 +88,7 @@ def run_streamed(args, source_dir: Path, summarize=None) -> int:
     out = io.check_output_dir(args.out, args.force).absolute()
     steps = Steps(total=3, quiet=args.quiet)
     steps.start("convert", f"converting {source_dir} shard by shard (--stream)")
-    with output_lock(out):
+    with output_lock(out), _disk_errors(out):
         with staged(out, args.force) as tmp:
             report = stream_convert(source_dir, tmp, to=args.to, keep_affine=args.keep_affine,
                                     fold_final=args.fold_final, allow_new_bias=args.allow_new_bias,
@@ -112,6 +112,21 @@ def run_streamed(args, source_dir: Path, summarize=None) -> int:
     if v.get("performed") and not v["passed"]:
         raise VerificationFailedError("verification failed: the converted model's outputs differ beyond tolerance")
     return 0
+
+
+@contextlib.contextmanager
+def _disk_errors(out: Path):
+    """A full disk / quota / file-size limit is the user's to fix, not a normfold bug: exit 2 with a message
+    (the staged output is already removed)."""
+    import errno
+
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise NormfoldError(f"writing {out} failed: {exc.strerror}; nothing was written. Free space (the "
+                                "output is about as large as MODEL) or choose another --out.") from exc
+        raise
 
 
 @contextlib.contextmanager
