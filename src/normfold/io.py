@@ -194,7 +194,9 @@ def save(model: nn.Module, report: ConversionReport, out: str | os.PathLike, *, 
     backup = None
     try:
         weights = STOCK_WEIGHTS if report.stock_reloadable else NORMFOLD_WEIGHTS
-        save_file(export_state_dict(model, report), str(tmp / weights), metadata={"format": "pt", "normfold": "1"})
+        # one metadata key: safetensors writes __metadata__ from a Rust HashMap, so with two keys their
+        # order (and the file's bytes) changed from run to run (issue 11 item 5: repeatable conversions)
+        save_file(export_state_dict(model, report), str(tmp / weights), metadata={"format": "pt"})
         config = getattr(model, "config", None)
         if config is not None:
             config = copy.deepcopy(config)

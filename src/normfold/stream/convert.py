@@ -49,7 +49,7 @@ from . import safetensors_io as st
 
 Progress = Callable[[str], None]
 INDEX = io.STOCK_INDEX
-METADATA = {"format": "pt", "normfold": "1"}
+METADATA = {"format": "pt"}  # as io.save writes it
 # A writer whose output axis is its last (embeddings, Conv1D) is centred in row chunks of about this many
 # float64 bytes: the same result (rows are independent), float64 temporaries stay small and in cache
 # (~5x faster than whole-tensor passes on a 2-core machine).
