@@ -22,9 +22,9 @@ Tensors no edit touches are copied file to file in bounded chunks (checked finit
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import importlib
-import copy
 import json
 import os
 import shutil
@@ -42,7 +42,7 @@ from ..adapters.base import get, parent_and_leaf
 from ..algebra import layout_of
 from ..convert import (VARIANTS, ConvertOptions, _kept_norms, _will_fold, center_writer, centered_outputs,
                        fold_scales, layernorm_names, swap_norm, untie, _edited_params)
-from ..errors import CheckpointError, NonFiniteWeightsError, NormfoldError, UnsupportedConversionError
+from ..errors import CheckpointError, NonFiniteWeightsError, NormfoldError
 from ..modelinfo import working_dtype
 from ..report import ConversionReport
 from . import safetensors_io as st
@@ -73,9 +73,6 @@ class Source:
     @property
     def total_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.shards)
-
-    def largest_shard(self) -> int:
-        return max(p.stat().st_size for p in self.shards)
 
 
 def weight_files(source_dir: str | os.PathLike) -> tuple[list[Path], bool] | None:
@@ -336,9 +333,7 @@ class Computer:
             parent, leaf = parent_and_leaf(self.model, name)
             setattr(parent, leaf, nn.Parameter(self._read(name), requires_grad=False))
         try:
-            if self._chunked(comp):
-                pass
-            else:
+            if not self._chunked(comp):
                 for batch in _batches(comp.edits):
                     self._apply(batch)
             return {k: get(self.model, k).detach() for k in keys}
@@ -564,7 +559,6 @@ def _write(out: Path, files, outputs, owner, comps, computer: Computer, names, s
     """Write each output file: header first, then every tensor at its offset; a component is computed when
     its first output comes up and its other outputs wait in `pending` (same file, see _assign_files)."""
     weight_map = {}
-    remaining = {i: sum(1 for v in owner.values() if v == i) for i in range(len(comps))}
     pending: dict[str, torch.Tensor] = {}
     total = 0
     for fname, tensors in files.items():
