@@ -3,6 +3,8 @@ normfold.convert + normfold.save, loads as that output does, and is repeatable."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -167,3 +169,22 @@ def test_in_memory_save_is_repeatable(tmp_path):
         subprocess.run([sys.executable, "-c", code, str(src), str(tmp_path / out)], check=True, capture_output=True)
     files = [(tmp_path / out / "model.safetensors").read_bytes() for out in ("a", "b", "c")]
     assert files[0] == files[1] == files[2]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("NORMFOLD_SLOW") != "1", reason="GB-sized; set NORMFOLD_SLOW=1")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpt2_xl_width_bytes_equal_in_memory(tmp_path, dtype):
+    """Real widths (GPT-2-XL, 3 layers, ~0.6 GB): multi-threaded kernels and chunked centring still give the
+    in-memory conversion's bytes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "make_synthetic_checkpoint.py"
+    subprocess.run([sys.executable, str(script), str(tmp_path / "src"), "--dtype", dtype, "--layers", "3"],
+                   check=True, capture_output=True)
+    _streamed(tmp_path / "src", tmp_path / "st")
+    streamed = tensors_bytes(tmp_path / "st")
+    _in_memory(tmp_path / "src", tmp_path / "mem")
+    assert streamed == tensors_bytes(tmp_path / "mem")
