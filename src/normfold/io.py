@@ -41,6 +41,7 @@ from .nn.hooks import add_input_recenter, add_output_recenter
 from .report import ConversionReport, Structure
 
 STOCK_WEIGHTS = "model.safetensors"
+STOCK_INDEX = "model.safetensors.index.json"
 NORMFOLD_WEIGHTS = "normfold_model.safetensors"
 REPORT_FILE = "normfold.json"
 # Files copied verbatim from the source model directory (tokenizer, processor, generation config).
@@ -249,7 +250,9 @@ def save(model: nn.Module, report: ConversionReport, out: str | os.PathLike, *, 
     backup = None
     try:
         weights = STOCK_WEIGHTS if report.stock_reloadable else NORMFOLD_WEIGHTS
-        save_file(export_state_dict(model, report), str(tmp / weights), metadata={"format": "pt", "normfold": "1"})
+        # one metadata key: safetensors writes __metadata__ from a Rust HashMap, so with two keys their
+        # order (and the file's bytes) changed from run to run (issue 11 item 5: repeatable conversions)
+        save_file(export_state_dict(model, report), str(tmp / weights), metadata={"format": "pt"})
         config = getattr(model, "config", None)
         if config is not None:
             config = copy.deepcopy(config)
@@ -359,7 +362,7 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> nn.
     torch_dtype = _parse_dtype(dtype)
     config = transformers.AutoConfig.from_pretrained(path)
     cls = model_class(config)
-    if (path / STOCK_WEIGHTS).is_file():
+    if (path / STOCK_WEIGHTS).is_file() or (path / STOCK_INDEX).is_file():  # sharded: normfold.stream
         model = cls.from_pretrained(path, dtype=torch_dtype or "auto")
         apply_structure(model, report.structure)
     elif (path / NORMFOLD_WEIGHTS).is_file():

@@ -103,6 +103,10 @@ def add_parser(sub) -> None:
     p.add_argument("--save-failed", action="store_true", help="write DIR even if verification fails")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout instead of a table")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--stream", choices=["auto", "always", "never"], default="auto",
+                   help="convert a safetensors checkpoint shard by shard in bounded memory: auto (default) when "
+                        "MODEL is a local directory of safetensors weights over min(2 GB, 1/3 of available "
+                        "memory) and no option needs the in-memory model; always = stream or say why not; never")
     p.set_defaults(run=run)
 
 
@@ -145,7 +149,11 @@ def run(args) -> int:
     from .. import io
     from ..convert import convert
     from ..errors import NormfoldError, VerificationFailedError
+    from ..stream.cli import maybe_stream
 
+    streamed = maybe_stream(args, summarize=summary)  # normfold.stream decides; None = in memory
+    if streamed is not None:
+        return streamed
     if not args.dry_run and not args.out:
         raise NormfoldError("--out DIR is required (or --dry-run to convert and verify without writing)")
     if args.out and not args.dry_run:

@@ -1,0 +1,81 @@
+"""Measure a streamed conversion from outside the process: peak RSS (the kernel's high-water mark of the
+child, via wait4, which counts touched memory-mapped pages), wall time and GB/s, beside a plain copy of the
+same shards (the I/O floor) and the RSS of importing torch + transformers + normfold.
+
+    python scripts/measure_stream.py CHECKPOINT_DIR WORK_DIR [--keep]
+
+Prints one JSON object; the issue's bound is baseline + 1.25 x largest shard + 0.5 GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def run_child(cmd: list[str]) -> dict:
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    out, err = proc.stdout.read().decode(), proc.stderr.read().decode()
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise SystemExit(f"{' '.join(cmd)} exited {code}:\n{err[-3000:]}")
+    return {"wall_s": round(wall, 2), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "stdout": out}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("checkpoint")
+    p.add_argument("work")
+    p.add_argument("--keep", action="store_true", help="keep the converted output")
+    args = p.parse_args(argv)
+    src, work = Path(args.checkpoint), Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    shards = sorted(src.glob("*.safetensors"))
+    total = sum(f.stat().st_size for f in shards)
+    largest = max(f.stat().st_size for f in shards)
+
+    baseline = run_child([sys.executable, "-c", "import torch, transformers, normfold, normfold.stream"])
+    # os.sync() (untimed) before each timed step: neither starts behind the other's dirty-page writeback
+    copy_dir = work / "copy"
+    os.sync()
+    copy = run_child(["cp", "-r", str(src), str(copy_dir)])
+    shutil.rmtree(copy_dir)
+    os.sync()
+    out = work / "converted"
+    conv = run_child([sys.executable, "-m", "normfold", "convert", str(src), "--out", str(out), "--stream", "always",
+                      "-q", "--json"])
+    report = json.loads(conv.pop("stdout"))
+    out_bytes = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    if not args.keep:
+        shutil.rmtree(out)
+    bound = baseline["peak_rss_mb"] + 1.25 * largest / 2**20 + 512
+    result = {
+        "checkpoint": str(src), "dtype": report["dtype"], "total_gb": round(total / 1e9, 3),
+        "shards": len(shards), "largest_shard_mb": round(largest / 2**20, 1), "output_gb": round(out_bytes / 1e9, 3),
+        "import_rss_mb": baseline["peak_rss_mb"], "bound_mb": round(bound, 1),
+        "convert": {**conv, "gb_per_s": round(total / 1e9 / conv["wall_s"], 3)},
+        "copy": {"wall_s": copy["wall_s"], "gb_per_s": round(total / 1e9 / copy["wall_s"], 3)},
+        "within_bound": conv["peak_rss_mb"] <= bound,
+        "throughput_vs_copy": round(copy["wall_s"] / conv["wall_s"], 3),
+        "verification": report["verification"].get("reason") or report["verification"].get("passed"),
+        "loadavg": os.getloadavg(), "cpus": os.cpu_count(),
+    }
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,206 @@
+"""`normfold convert --stream {auto,always,never}`: when and how the CLI converts shard by shard.
+
+auto (default) streams when MODEL is a local directory of safetensors weights larger than
+min(2 GB, a third of the available memory) and no option needs the in-memory model; always streams
+or says why it cannot; never keeps the in-memory path. The output is written into a temporary
+directory beside --out, renamed at the end and removed on any failure (Ctrl-C included); a lock
+file `.{name}.lock` beside --out makes a second conversion into the same directory fail cleanly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+from .. import io
+from ..errors import NormfoldError, OutputExistsError, VerificationFailedError
+from .convert import PENDING, StreamUnsupportedError, open_source, stream_convert, weight_files
+
+AUTO_BYTES = 2 * 1024**3  # stream above this size (or a third of the available memory, if less)
+VERIFY_IN_MEMORY_BYTES = 256 * 1024**2  # verify streamed outputs in memory up to this source size
+
+
+def available_memory() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:  # pragma: no cover - psutil is a transformers/accelerate dependency
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def auto_threshold() -> int:
+    return min(AUTO_BYTES, available_memory() // 3)
+
+
+def blockers(args) -> list[str]:
+    """Why this invocation needs the in-memory path (empty: it can stream)."""
+    why = []
+    model = Path(args.model) if args.model else io.default_model_path()
+    if not model.is_dir():
+        why.append(f"{args.model} is not a local directory")
+    elif (model / io.REPORT_FILE).is_file():
+        why.append("MODEL is a normfold checkpoint (reverse conversions run in memory)")
+    elif weight_files(model) is None:
+        why.append("MODEL has no safetensors weights")
+    if args.to != "rmsnorm":
+        why.append(f"--to {args.to} (streaming converts --to rmsnorm only)")
+    for flag, on in (("--inputs", getattr(args, "inputs", None)), ("--text", args.text), ("--auto", args.auto),
+                     ("--option", args.option), ("--pad", args.pad), ("--dry-run", args.dry_run)):
+        if on:
+            why.append(f"{flag} needs the in-memory model")
+    if args.dtype not in ("auto", None):
+        why.append("--dtype other than auto (streaming keeps the checkpoint's dtype)")
+    if not args.out and not args.dry_run:
+        why.append("no --out")
+    return why
+
+
+def maybe_stream(args, summarize=None) -> int | None:
+    """Run the streamed conversion when --stream says so; None = use the in-memory path."""
+    mode = getattr(args, "stream", "never") or "never"
+    if mode == "never":
+        return None
+    why = blockers(args)
+    if why:
+        if mode == "always":
+            raise StreamUnsupportedError("--stream always cannot stream this conversion: " + "; ".join(why)
+                                         + ". Use --stream never (or auto) to convert in memory.")
+        return None
+    source_dir = Path(args.model) if args.model else io.default_model_path()
+    if mode == "auto":
+        try:
+            size = open_source(source_dir).total_bytes
+        except NormfoldError:
+            return None  # let the in-memory path report what is wrong with MODEL
+        if size <= auto_threshold():
+            return None
+    return run_streamed(args, source_dir, summarize)
+
+
+def run_streamed(args, source_dir: Path, summarize=None) -> int:
+    from ..cli.ui import Steps
+
+    out = io.check_output_dir(args.out, args.force).absolute()
+    steps = Steps(total=3, quiet=args.quiet)
+    steps.start("convert", f"converting {source_dir} shard by shard (--stream)")
+    with output_lock(out), _disk_errors(out):
+        with staged(out, args.force) as tmp:
+            report = stream_convert(source_dir, tmp, to=args.to, keep_affine=args.keep_affine,
+                                    fold_final=args.fold_final, allow_new_bias=args.allow_new_bias,
+                                    progress=steps.note)
+            steps.start("verify", "verifying")
+            _verify_streamed(source_dir, tmp, report, fp64_tol=args.fp64_tol, seed=args.seed,
+                             fold_final=args.fold_final, keep_affine=args.keep_affine,
+                             allow_new_bias=args.allow_new_bias)
+            v = report.verification
+            if v.get("performed") and not v["passed"] and not args.save_failed:
+                raise VerificationFailedError("verification failed: the streamed conversion's outputs differ beyond "
+                                              "tolerance; nothing was written (use --save-failed to keep it anyway)")
+    steps.end()
+    report.seconds.update({k: round(t, 3) for k, t in steps.times.items()})
+    (out / io.REPORT_FILE).write_text(report.to_json() + "\n")
+    if args.json:
+        print(report.to_json())
+    elif summarize is not None:
+        print(summarize(report, out, args))
+    v = report.verification
+    if v.get("performed") and not v["passed"]:
+        raise VerificationFailedError("verification failed: the converted model's outputs differ beyond tolerance")
+    return 0
+
+
+@contextlib.contextmanager
+def _disk_errors(out: Path):
+    """A full disk / quota / file-size limit is the user's to fix, not a normfold bug: exit 2 with a message
+    (the staged output is already removed)."""
+    import errno
+
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise NormfoldError(f"writing {out} failed: {exc.strerror}; nothing was written. Free space (the "
+                                "output is about as large as MODEL) or choose another --out.") from exc
+        raise
+
+
+@contextlib.contextmanager
+def output_lock(out: Path):
+    """`.{name}.lock` beside `out`, created exclusively: a second conversion into `out` fails at once."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock = out.parent / f".{out.name}.lock"
+    try:
+        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        raise OutputExistsError(f"another normfold conversion is writing {out} (lock file {lock} exists); wait for "
+                                "it to finish or choose another --out. If no conversion is running, the lock is "
+                                "left from one that was killed: delete it.") from None
+    try:
+        os.write(fd, f"{os.getpid()}\n".encode())
+        os.close(fd)
+        yield lock
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)
+
+
+@contextlib.contextmanager
+def staged(out: Path, force: bool):
+    """A temporary directory beside `out`, renamed to `out` when the block succeeds, removed on any
+    exception (KeyboardInterrupt included). An existing `out` (force) is replaced only at the end."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    backup = None
+    try:
+        yield tmp
+        if out.exists():
+            if not force:
+                raise OutputExistsError(f"{out} appeared while converting; nothing was written")
+            backup = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+            os.rename(out, backup)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if backup is not None and not out.exists():
+            os.rename(backup, out)
+        raise
+    if backup is not None:
+        shutil.rmtree(backup, ignore_errors=True)
+
+
+def _verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float = 1e-9, seed: int = 0,
+                     fold_final: bool = False, keep_affine: bool = False, allow_new_bias: bool = False) -> None:
+    """THE hook for bounded-memory verification (normfold.stream.blockverify, issue 11 item 2): until it is
+    wired, small models are verified in memory exactly as `normfold convert` verifies them, and larger ones
+    keep the report's "verification: pending block verifier". Updates `report` and normfold.json."""
+    import torch
+
+    from ..adapters import find_adapter
+    from ..convert import VARIANTS, ConvertOptions, centered_outputs
+    from ..report import ConversionReport
+    from ..verify import verify_conversion
+
+    if open_source(source_dir).total_bytes > VERIFY_IN_MEMORY_BYTES:
+        report.notes.append(PENDING)
+    else:
+        original, _ = io.load_source(source_dir)
+        converted = io.load(out_dir)
+        adapter = find_adapter(original)
+        variant = VARIANTS[report.variant]
+        options = ConvertOptions(keep_affine=keep_affine, fold_final=fold_final, allow_new_bias=allow_new_bias)
+
+        def reconvert(m):
+            scratch = ConversionReport(variant=report.variant, adapter=adapter.name, architecture="", dtype="",
+                                       layernorms_total=0)
+            variant.apply(m, adapter.plan(m), options, scratch)
+            return m.eval()
+
+        inputs = adapter.example_inputs(original, torch.Generator().manual_seed(seed))
+        skip = ("last_hidden_state", "hidden_states[-1]") if fold_final else ()
+        report.verification = verify_conversion(original, converted, inputs, reconvert=reconvert, fp64_tol=fp64_tol,
+                                                skip=skip, centered=centered_outputs(adapter.plan(original))).to_dict()
+    (Path(out_dir) / io.REPORT_FILE).write_text(report.to_json() + "\n")

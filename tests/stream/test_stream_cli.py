@@ -1,0 +1,116 @@
+"""`normfold convert --stream`: the streamed CLI path, its output directory handling, the lock, concurrency."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from normfold.adapters import get_adapter
+from normfold.cli import main
+
+from _compare import make_checkpoint, tensors_bytes
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "gpt2"
+    return make_checkpoint(get_adapter("gpt2").examples[0], "GPT2LMHeadModel", path, shard="20KB")
+
+
+def test_always_streams_and_verifies_small_models(ckpt, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["convert", str(ckpt), "--out", str(out), "--stream", "always", "-q", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["verification"]["passed"] is True and report["verification"]["fp64"]["passed"]
+    assert "normfold.stream" in " ".join(report["notes"])
+    assert json.loads((out / "normfold.json").read_text())["verification"]["passed"] is True
+    # same tensors as the in-memory CLI path
+    assert main(["convert", str(ckpt), "--out", str(tmp_path / "mem"), "--stream", "never", "-q"]) == 0
+    assert tensors_bytes(out) == tensors_bytes(tmp_path / "mem")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mem", "out"]  # no temp dir, no lock left
+
+
+def test_always_refuses_what_needs_memory(ckpt, tmp_path, capsys):
+    code = main(["convert", str(ckpt), "--out", str(tmp_path / "o"), "--stream", "always", "--to", "crmsnorm"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--stream always" in err and "crmsnorm" in err and "Traceback" not in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_auto_keeps_small_models_in_memory(ckpt, tmp_path, capsys):
+    assert main(["convert", str(ckpt), "--out", str(tmp_path / "o"), "-q", "--json"]) == 0
+    assert "normfold.stream" not in " ".join(json.loads(capsys.readouterr().out)["notes"])
+
+
+def test_locked_output_fails_cleanly(ckpt, tmp_path, capsys):
+    lock = tmp_path / ".out.lock"
+    lock.write_text("12345\n")  # another conversion is writing tmp_path/out
+    code = main(["convert", str(ckpt), "--out", str(tmp_path / "out"), "--stream", "always", "-q"])
+    assert code == 2
+    assert "another normfold conversion is writing" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.lock"]  # nothing written, its lock untouched
+
+
+def test_interrupt_leaves_nothing(ckpt, tmp_path, monkeypatch):
+    from normfold.stream import safetensors_io
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors_io, "copy_range", boom)
+    code = main(["convert", str(ckpt), "--out", str(tmp_path / "out"), "--stream", "always", "-q"])
+    assert code == 130
+    assert not any(tmp_path.iterdir())
+
+
+def _cli(ckpt, out) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    return subprocess.Popen([sys.executable, "-m", "normfold", "convert", str(ckpt), "--out", str(out),
+                             "--stream", "always", "-q"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_two_processes_two_outputs(ckpt, tmp_path):
+    procs = [_cli(ckpt, tmp_path / "a"), _cli(ckpt, tmp_path / "b")]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err.decode()[-2000:]
+    assert tensors_bytes(tmp_path / "a") == tensors_bytes(tmp_path / "b")
+    files = sorted(f.name for f in (tmp_path / "a").iterdir() if f.suffix == ".safetensors")
+    assert all((tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes() for f in files)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+def test_auto_streams_above_threshold(ckpt, tmp_path, capsys, monkeypatch):
+    from normfold.stream import cli as stream_cli
+
+    monkeypatch.setattr(stream_cli, "AUTO_BYTES", 1)
+    assert main(["convert", str(ckpt), "--out", str(tmp_path / "o"), "-q", "--json"]) == 0
+    assert "normfold.stream" in " ".join(json.loads(capsys.readouterr().out)["notes"])
+    # an option that needs the in-memory model keeps auto in memory
+    assert main(["convert", str(ckpt), "--out", str(tmp_path / "p"), "-q", "--json", "--text", "x"]) in (0, 2)
+    assert "normfold.stream" not in capsys.readouterr().out
+
+
+def test_disk_full_is_a_user_error(ckpt, tmp_path, capsys, monkeypatch):
+    import errno
+
+    from normfold.stream import convert as stream_convert_mod
+
+    def full(fd, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(stream_convert_mod, "_preallocate", full)
+    code = main(["convert", str(ckpt), "--out", str(tmp_path / "out"), "--stream", "always", "-q"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "No space left" in err and "Traceback" not in err
+    assert not any(tmp_path.iterdir())
