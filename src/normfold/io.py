@@ -199,6 +199,51 @@ def _write_failed(out: Path, exc: BaseException) -> OutputWriteError:
                             f"at {out}; free space (or choose --out on another disk) and run again")
 
 
+@contextlib.contextmanager
+def output_lock(out: str | os.PathLike):
+    """`.{name}.lock` beside `out`, created exclusively: a second conversion into `out` fails at once.
+    A lock whose process is gone (kill -9, power cut) is stale and taken over."""
+    out = Path(out).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock = out.parent / f".{out.name}.lock"
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            break
+        except FileExistsError:
+            if not _stale(lock):
+                raise OutputExistsError(f"another normfold conversion is writing {out} (lock file {lock}); wait for "
+                                        "it to finish or choose another --out") from None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock)
+    else:
+        raise OutputExistsError(f"could not take the lock {lock} for {out}; choose another --out")
+    try:
+        os.write(fd, f"{os.getpid()}\n".encode())
+        os.close(fd)
+        yield lock
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)
+
+
+def _stale(lock: Path) -> bool:
+    """True when the lock names a process that no longer exists (on this machine)."""
+    try:
+        pid = int(lock.read_text().strip() or "0")
+    except (OSError, ValueError):
+        return False  # being written right now, or not ours: respect it
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 def export_state_dict(model: nn.Module, report: ConversionReport) -> dict[str, torch.Tensor]:
     """State dict in the stock layout: folded-away norm affines written back as ones / zeros."""
     state = {k: v.detach() for k, v in model.state_dict().items()}

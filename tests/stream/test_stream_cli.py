@@ -51,13 +51,22 @@ def test_auto_keeps_small_models_in_memory(ckpt, tmp_path, capsys):
     assert "normfold.stream" not in " ".join(json.loads(capsys.readouterr().out)["notes"])
 
 
-def test_locked_output_fails_cleanly(ckpt, tmp_path, capsys):
+@pytest.mark.parametrize("stream", ["always", "never"])
+def test_locked_output_fails_cleanly(ckpt, tmp_path, capsys, stream):
     lock = tmp_path / ".out.lock"
-    lock.write_text("12345\n")  # another conversion is writing tmp_path/out
-    code = main(["convert", str(ckpt), "--out", str(tmp_path / "out"), "--stream", "always", "-q"])
+    lock.write_text(f"{os.getpid()}\n")  # a live process is writing tmp_path/out
+    code = main(["convert", str(ckpt), "--out", str(tmp_path / "out"), "--stream", stream, "-q"])
     assert code == 2
     assert "another normfold conversion is writing" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.lock"]  # nothing written, its lock untouched
+
+
+def test_stale_lock_of_a_dead_process_is_taken_over(ckpt, tmp_path, capsys):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / ".out.lock").write_text(f"{dead.pid}\n")
+    assert main(["convert", str(ckpt), "--out", str(tmp_path / "out"), "-q"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_interrupt_leaves_nothing(ckpt, tmp_path, monkeypatch):

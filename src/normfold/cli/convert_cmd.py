@@ -154,6 +154,20 @@ def run(args) -> int:
     streamed = maybe_stream(args, summarize=summary)  # normfold.stream decides; None = in memory
     if streamed is not None:
         return streamed
+    if args.out and not args.dry_run:
+        io.check_output_dir(args.out, args.force)  # fail before any work (and before taking the lock)
+        with io.output_lock(args.out):
+            return _run_in_memory(args)
+    return _run_in_memory(args)
+
+
+def _run_in_memory(args) -> int:
+    import torch
+
+    from .. import io
+    from ..convert import convert
+    from ..errors import NormfoldError, VerificationFailedError
+
     if not args.dry_run and not args.out:
         raise NormfoldError("--out DIR is required (or --dry-run to convert and verify without writing)")
     if args.out and not args.dry_run:

@@ -16,6 +16,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
+from .. import checkpoint_guard as guard
 from .. import io
 from ..errors import NormfoldError, OutputExistsError, VerificationFailedError
 from .convert import PENDING, StreamUnsupportedError, open_source, stream_convert, weight_files
@@ -85,6 +86,8 @@ def maybe_stream(args, summarize=None) -> int | None:
 def run_streamed(args, source_dir: Path, summarize=None) -> int:
     from ..cli.ui import Steps
 
+    guard.check_remote_code(source_dir / "config.json", getattr(args, "trust_remote_code", False))
+    guard.inspect_checkpoint(source_dir)  # broken or hostile files end here, before any work
     out = io.check_output_dir(args.out, args.force).absolute()
     steps = Steps(total=3, quiet=args.quiet)
     steps.start("convert", f"converting {source_dir} shard by shard (--stream)")
@@ -129,24 +132,7 @@ def _disk_errors(out: Path):
         raise
 
 
-@contextlib.contextmanager
-def output_lock(out: Path):
-    """`.{name}.lock` beside `out`, created exclusively: a second conversion into `out` fails at once."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    lock = out.parent / f".{out.name}.lock"
-    try:
-        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        raise OutputExistsError(f"another normfold conversion is writing {out} (lock file {lock} exists); wait for "
-                                "it to finish or choose another --out. If no conversion is running, the lock is "
-                                "left from one that was killed: delete it.") from None
-    try:
-        os.write(fd, f"{os.getpid()}\n".encode())
-        os.close(fd)
-        yield lock
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(lock)
+output_lock = io.output_lock  # shared with the in-memory path
 
 
 @contextlib.contextmanager

@@ -86,7 +86,9 @@ def weight_files(source_dir: str | os.PathLike) -> tuple[list[Path], bool] | Non
         names = list(dict.fromkeys(weight_map.values()))
         for n in names:
             if Path(n).name != n or not (d / n).is_file():
-                raise CheckpointError(f"{d / INDEX} names shard {n!r}, which is not a file in {d}")
+                raise CheckpointError(f"{d / INDEX} names shard {n!r}, which is not a file in {d} (missing: the "
+                                      "download is incomplete, or a path outside the directory, which normfold "
+                                      "never reads); re-download the checkpoint")
         return [d / n for n in sorted(names)], True
     if (d / io.STOCK_WEIGHTS).is_file():
         return [d / io.STOCK_WEIGHTS], False
