@@ -207,7 +207,7 @@ class Streamer:
                 full = f"{mname}.{pname}" if mname else pname
                 names = [full] + [a for a in aliases.get(id(p), []) if a != full]
                 self.slots[full] = (module, pname, tuple(p.shape), names)
-        self.prefix = getattr(model, "base_model_prefix", "") or ""
+        self.keymap: dict[str, str] | None = None
         self.set_dtype(dtype)
 
     def set_dtype(self, dtype: torch.dtype) -> None:
@@ -222,14 +222,11 @@ class Streamer:
                     module._buffers[bname] = b.to(dtype)
 
     def _key(self, names: list[str]) -> str | None:
+        if self.keymap is None:
+            self.keymap = checkpoint_keys(self.model, list(self.reader.files), set(self.slots))
         for name in names:
-            candidates = [name]
-            if self.prefix:  # a checkpoint saved from the base model (or from a head) of the same family
-                candidates += [name[len(self.prefix) + 1:]] if name.startswith(self.prefix + ".") else \
-                              [f"{self.prefix}.{name}"]
-            for c in candidates:
-                if c in self.reader:
-                    return c
+            if name in self.keymap:
+                return self.keymap[name]
         return None
 
     def nbytes(self, prefix: str) -> int:
@@ -263,6 +260,37 @@ class Streamer:
                 p = module._parameters[pname]
                 module._parameters[pname] = _placeholder(shape, p.dtype)
         self.ledger.sub(n)
+
+
+def checkpoint_keys(model: nn.Module, keys: list[str], wanted: set[str]) -> dict[str, str]:
+    """Model parameter name → checkpoint key, with transformers' own renamings (legacy names such as
+    ViT's `encoder.layer.0.attention.attention.query` for `layers.0.attention.q_proj`, GPT-NeoX's
+    `embed_out`) and base-model prefix handling: the names `from_pretrained` would load under."""
+    out = {k: k for k in keys}
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
+    except ImportError:  # transformers 4.x: checkpoint names are the module names (up to the prefix)
+        get_model_conversion_mapping = None
+    prefix = getattr(model, "base_model_prefix", "") or None
+    if get_model_conversion_mapping is None:
+        for k in keys:
+            if prefix and k.startswith(prefix + ".") and k not in wanted:
+                out.setdefault(k[len(prefix) + 1:], k)
+            elif prefix and f"{prefix}.{k}" in wanted:
+                out.setdefault(f"{prefix}.{k}", k)
+        return out
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta = {k: True for k in wanted}
+    for k in keys:
+        new, pattern = rename_source_key(k, renamings, converters, prefix, meta)
+        if pattern is None and new != k:
+            out.setdefault(new, k)
+        # Keys merged or split by a converter (fused qkv, stacked experts) are not loadable one by one:
+        # their parameter stays unresolved and `load` names it.
+    return out
 
 
 def _under(name: str, prefix: str) -> bool:
@@ -344,17 +372,14 @@ def _replace_stream_out(out, x: Tensor):
 
 
 def to_stream(h: Tensor, like: Tensor, center: bool) -> Tensor:
-    """The original's stream `h` (float64) as the model whose own stream input is `like` carries it:
-    centred for a converted model (Pre-RMSNorm / Recenter streams are the recentred stream), cut to
-    d−1 coordinates (or zero-padded back to d) for a Pre-CRMSNorm stream; in `like`'s dtype."""
+    """The original's stream `h` (float64) as the model whose own stream at that point is `like`
+    carries it, in `like`'s dtype. A converted model computes the original's stream up to a
+    per-token shift (zero for the recentred Pre-RMSNorm stream; the original's own mean where a
+    non-shift-invariant block reads the stream raw, as a Post-LN block 0 does): its centred part is
+    the original's, its per-token mean the converted model's own."""
     h = h.double()
     if center:
-        h = _center(h)
-    if like.shape[-1] + 1 == h.shape[-1]:
-        h = h[..., :-1]
-    elif center and like.shape == h.shape and like.numel() and bool((like[..., -1] == 0).all()) \
-            and not bool((h[..., -1] == 0).all()):
-        h = torch.cat([h[..., :-1], torch.zeros_like(h[..., -1:])], dim=-1)
+        h = _center(h) + like.double().mean(dim=-1, keepdim=True)
     return h.to(like.dtype)
 
 
@@ -379,17 +404,19 @@ class _Pass:
     """Hooks for one forward of a skeleton: load/free per unit; capture or force per block."""
 
     def __init__(self, streamer: Streamer, blocks, others, resident, *, capture=False, forced=None,
-                 replace=None, map_center=False, progress=None) -> None:
+                 replace=None, replace_like=None, map_center=False, progress=None) -> None:
         self.s = streamer
         self.blocks, self.others, self.resident = blocks, others, resident
         self.capture = capture  # record every block call's stream input / output (float64 reference)
         self.forced = forced  # {block: [_Capture]} of the reference: also run each block on those inputs
         self.replace = replace  # {block: [_Capture]}: skip blocks, return the reference outputs instead
+        self.replace_like = replace_like  # {block: [stream output of this model's own run]} (its means)
         self.map_center = map_center
         self.progress = progress
         self.captured: dict[str, list[_Capture]] = {b: [] for b in blocks}
         self.forced_out: dict[str, list[tuple]] = {b: [] for b in blocks}  # (reference call, output)
         self.free_in: dict[str, list[Tensor]] = {b: [] for b in blocks}
+        self.free_out: dict[str, list[Tensor]] = {b: [] for b in blocks}  # stream outputs (tail pass)
         self._inner = False
         self._handles = []
         self._held: dict[str, int] = {}
@@ -408,7 +435,7 @@ class _Pass:
             block = model.get_submodule(path)
             if self.replace is not None:
                 calls = iter(self.replace[path])
-                block.forward = _replaced_forward(calls, self.map_center)
+                block.forward = _replaced_forward(calls, iter(self.replace_like[path]), self.map_center)
                 continue
             self._hook(block, path, block=True)
         return self
@@ -438,6 +465,8 @@ class _Pass:
                 return None
             if block and self.capture:
                 self.captured[path][-1].out = _detach(out)
+            if block and _stream_out(out) is not None:
+                self.free_out[path].append(_stream_out(out).detach())
             self.s.free(path, self._held.pop(path))
             return None
 
@@ -485,14 +514,12 @@ def _only_normfold_hooks(mod: nn.Module):
             setattr(mod, n, hooks)
 
 
-def _replaced_forward(calls, center: bool):
+def _replaced_forward(calls, likes, center: bool):
     """A block's forward that returns the reference's output for this call, mapped to the stream
     the block receives (so everything after the blocks runs on the original's hidden states)."""
     def forward(*args, **kwargs):
-        ref = next(calls)
-        x = _stream_in(args, kwargs)
-        out = _stream_out(ref.out)
-        return _replace_stream_out(_clone_struct(ref.out), to_stream(out, x, center))
+        ref, like = next(calls), next(likes)
+        return _replace_stream_out(_clone_struct(ref.out), to_stream(_stream_out(ref.out), like, center))
 
     return forward
 
@@ -578,7 +605,7 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     say("converted in float64, block by block on the original's hidden states")
     p_c64, out_c64 = run(c_s, c_units, FP64, forced=ref, map_center=True)
     say("converted in float64, heads on the original's last hidden states")
-    _, out_tail = run(c_s, c_units, FP64, replace=ref, map_center=True)
+    _, out_tail = run(c_s, c_units, FP64, replace=ref, replace_like=p_c64.free_out, map_center=True)
     say(f"original in {_dt(o_dtype)}")
     p_ow, orig_w = run(o_s, o_units, o_dtype, forced=ref, map_center=False)
     say(f"converted in {_dt(c_dtype)}")
