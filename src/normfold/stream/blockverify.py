@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import CheckpointError, NormfoldError, UnsupportedConversionError
-from ..verify import (CENTERED_OUTPUTS, ULP_FLOOR, WORKING_FACTOR, TensorDiff, _center, _eps, _worst, describe_inputs, diff_outputs, run_model,
+from ..verify import (CENTERED_OUTPUTS, ULP_FLOOR, WORKING_FACTOR, TensorDiff, _zero_last, _center, _eps, _worst, describe_inputs, diff_outputs, run_model,
                       stream_view, top1_agreement)
 
 FP64 = torch.float64
@@ -162,7 +162,7 @@ def build_skeleton(directory: Path, structure=None) -> nn.Module:
     with _parameters_on_meta():
         model = cls(config)
         if structure is not None:
-            if structure.compression:
+            if structure.compression and os.environ.get("NF_REFUSE_CRMS"):
                 raise UnsupportedConversionError(
                     f"{directory} is a Pre-CRMSNorm (d-1 stream) checkpoint: block-wise verification handles "
                     "Pre-RMSNorm / Recenter checkpoints only. Verify it in memory: `normfold verify ORIGINAL "
@@ -200,6 +200,7 @@ class Streamer:
         for name, p in model.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
         self.slots: dict[str, tuple[nn.Module, str, tuple, list[str]]] = {}
+        self.of_module: dict[int, list[str]] = {}
         for mname, module in model.named_modules():
             for pname, p in list(module._parameters.items()):
                 if p is None:
@@ -207,7 +208,18 @@ class Streamer:
                 full = f"{mname}.{pname}" if mname else pname
                 names = [full] + [a for a in aliases.get(id(p), []) if a != full]
                 self.slots[full] = (module, pname, tuple(p.shape), names)
-        self.keymap: dict[str, str] | None = None
+                self.of_module.setdefault(id(module), []).append(full)
+        buffers = {n for n, _ in model.named_buffers()}
+        self.keymap = checkpoint_keys(model, list(reader.files), set(self.slots) | buffers)
+        # Persistent buffers stored in the checkpoint (small: position ids, a head's row means, ...)
+        # are read once and stay; the others keep the values computed when the model was built.
+        for name in buffers:
+            if name in self.keymap:
+                module, _, leaf = name.rpartition(".")
+                owner = model.get_submodule(module)
+                t = reader.get(self.keymap[name])
+                if tuple(t.shape) == tuple(owner._buffers[leaf].shape):
+                    owner._buffers[leaf] = t
         self.set_dtype(dtype)
 
     def set_dtype(self, dtype: torch.dtype) -> None:
@@ -221,25 +233,32 @@ class Streamer:
                 if b is not None and b.is_floating_point():
                     module._buffers[bname] = b.to(dtype)
 
-    def _key(self, names: list[str]) -> str | None:
-        if self.keymap is None:
-            self.keymap = checkpoint_keys(self.model, list(self.reader.files), set(self.slots))
-        for name in names:
-            if name in self.keymap:
-                return self.keymap[name]
-        return None
-
-    def nbytes(self, prefix: str) -> int:
-        """float64-free size estimate of a unit in the current dtype (for the report)."""
-        size = torch.tensor([], dtype=self.dtype).element_size()
-        return sum(math.prod(s) * size for full, (_, _, s, _) in self.slots.items() if _under(full, prefix))
-
-    def load(self, prefix: str) -> int:
-        n = 0
-        for full, (module, pname, shape, names) in self.slots.items():
-            if not _under(full, prefix):
+    def unit_slots(self, path: str) -> list[str]:
+        """The parameters a unit needs: those of its subtree and of modules it references without
+        registering them (normfold's tied compressed head reads its embedding table that way)."""
+        if path in self.slots:  # a single parameter (held for a whole pass)
+            return [path]
+        seen: set[int] = set()
+        todo = [self.model.get_submodule(path) if path else self.model]
+        while todo:
+            m = todo.pop()
+            if id(m) in seen:
                 continue
-            key = self._key(names)
+            seen.add(id(m))
+            todo.extend(m.children())
+            todo.extend(v for k, v in vars(m).items() if isinstance(v, nn.Module) and k != "_modules")
+        return [full for mid in seen for full in self.of_module.get(mid, [])]
+
+    def nbytes(self, path: str) -> int:
+        """Bytes the unit's parameters take in the current dtype."""
+        size = torch.tensor([], dtype=self.dtype).element_size()
+        return sum(math.prod(self.slots[f][2]) * size for f in self.unit_slots(path))
+
+    def load(self, path: str) -> int:
+        n = 0
+        for full in self.unit_slots(path):
+            module, pname, shape, names = self.slots[full]
+            key = next((self.keymap[x] for x in names if x in self.keymap), None)
             if key is None:
                 raise CheckpointError(f"{self.reader.dir} has no tensor for parameter {full!r}; the weights do "
                                       "not match the config (and the recorded structure)")
@@ -254,11 +273,10 @@ class Streamer:
         self.ledger.add(n)
         return n
 
-    def free(self, prefix: str, n: int) -> None:
-        for full, (module, pname, shape, _) in self.slots.items():
-            if _under(full, prefix):
-                p = module._parameters[pname]
-                module._parameters[pname] = _placeholder(shape, p.dtype)
+    def free(self, path: str, n: int) -> None:
+        for full in self.unit_slots(path):
+            module, pname, shape, _ = self.slots[full]
+            module._parameters[pname] = _placeholder(shape, module._parameters[pname].dtype)
         self.ledger.sub(n)
 
 
@@ -291,10 +309,6 @@ def checkpoint_keys(model: nn.Module, keys: list[str], wanted: set[str]) -> dict
         # Keys merged or split by a converter (fused qkv, stacked experts) are not loadable one by one:
         # their parameter stays unresolved and `load` names it.
     return out
-
-
-def _under(name: str, prefix: str) -> bool:
-    return prefix == "" or name == prefix or name.startswith(prefix + ".")
 
 
 # ---- units: the blocks of each layer stack, and what lies outside them ---------------------------------------
@@ -376,11 +390,17 @@ def to_stream(h: Tensor, like: Tensor, center: bool) -> Tensor:
     carries it, in `like`'s dtype. A converted model computes the original's stream up to a
     per-token shift (zero for the recentred Pre-RMSNorm stream; the original's own mean where a
     non-shift-invariant block reads the stream raw, as a Post-LN block 0 does): its centred part is
-    the original's, its per-token mean the converted model's own."""
+    the original's, its per-token mean the converted model's own. A Pre-CRMSNorm stream is the first
+    d−1 coordinates of the centred stream (or those and a zero, padded to d)."""
     h = h.double()
-    if center:
-        h = _center(h) + like.double().mean(dim=-1, keepdim=True)
-    return h.to(like.dtype)
+    if not center:
+        return h.to(like.dtype)
+    if like.shape[-1] + 1 == h.shape[-1]:
+        return _center(h)[..., :-1].to(like.dtype)
+    if like.shape == h.shape and h.shape[-1] > 1 and _zero_last(like) and not _zero_last(h):
+        c = _center(h)
+        return torch.cat([c[..., :-1], torch.zeros_like(c[..., -1:])], dim=-1).to(like.dtype)
+    return (_center(h) + like.double().mean(dim=-1, keepdim=True)).to(like.dtype)
 
 
 def _block_diff(name: str, test, ref) -> TensorDiff:
@@ -470,7 +490,9 @@ class _Pass:
             self.s.free(path, self._held.pop(path))
             return None
 
-        self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        # Prepended: the block's raw input is captured before normfold's own pre-hooks (Recenter,
+        # compress) transform it, so that the extra call on the reference input goes through them too.
+        self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
         self._handles.append(module.register_forward_hook(post, with_kwargs=True))
 
     @torch.no_grad()
