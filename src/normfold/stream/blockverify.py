@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from ..errors import CheckpointError, NormfoldError, UnsupportedConversionError
+from ..errors import CheckpointError, NormfoldError
 from ..verify import (CENTERED_OUTPUTS, ULP_FLOOR, WORKING_FACTOR, TensorDiff, _zero_last, _center, _eps, _worst, describe_inputs, diff_outputs, run_model,
                       stream_view, top1_agreement)
 
@@ -162,11 +162,6 @@ def build_skeleton(directory: Path, structure=None) -> nn.Module:
     with _parameters_on_meta():
         model = cls(config)
         if structure is not None:
-            if structure.compression and os.environ.get("NF_REFUSE_CRMS"):
-                raise UnsupportedConversionError(
-                    f"{directory} is a Pre-CRMSNorm (d-1 stream) checkpoint: block-wise verification handles "
-                    "Pre-RMSNorm / Recenter checkpoints only. Verify it in memory: `normfold verify ORIGINAL "
-                    "CONVERTED --no-blockwise` (needs memory for both models in float64).")
             apply_structure(model, structure)
     return model.eval()
 
@@ -591,8 +586,9 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     original_dir, converted_dir = Path(original_dir), Path(converted_dir)
     for d in (original_dir, converted_dir):
         if not d.is_dir() or not (d / "config.json").is_file():
-            raise CheckpointError(f"{d} is not a local model directory with config.json; block-wise verification "
-                                  "reads local safetensors checkpoints")
+            raise CheckpointError(f"{d} is not a local model directory with config.json: block-wise verification "
+                                  "reads local safetensors checkpoints. Download the model to a directory first, "
+                                  "or verify in memory (`normfold verify --no-blockwise`).")
     report = read_report(converted_dir) if (converted_dir / REPORT_FILE).is_file() else None
     if centered is None:
         centered = tuple(report.centered_outputs) if report is not None and report.centered_outputs else CENTERED_OUTPUTS
