@@ -216,3 +216,16 @@ def test_cli_blockwise(tmp_path, capsys):
     assert main(["verify", str(orig), str(sharded), "--blockwise", "-q"]) == 1
     out = capsys.readouterr().out
     assert "blocks beyond tolerance: transformer.h.1" in out and "FAIL" in out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_checkpoint_agrees_with_in_memory(tmp_path, dtype):
+    """bf16 / fp16 checkpoints: the working-dtype check runs in that dtype, like the in-memory one."""
+    orig, conv, sharded = make(tmp_path, "gpt_neox", dtype=dtype, head="GPTNeoXForCausalLM")
+    ref, got = in_memory(orig, conv), verify_blockwise(orig, sharded)
+    assert got["dtype"] == ref["dtype"] == str(dtype).replace("torch.", "")
+    assert ref["passed"] and got["passed"]
+    assert math.isclose(got["max_rel_error"], ref["max_rel_error"], rel_tol=0.1)
+    assert math.isclose(got["fp64"]["max_rel_error"], ref["fp64"]["max_rel_error"], rel_tol=0.1)
+    assert math.isclose(got["baseline"]["max_rel_error"], ref["baseline"]["max_rel_error"], rel_tol=0.1)
+    assert all(w["ok"] for w in got["working"]["blocks"])
