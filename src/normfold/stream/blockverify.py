@@ -73,26 +73,46 @@ class CheckpointReader:
             extra = f" (it has {', '.join(pickles)}: re-save it as safetensors)" if pickles else ""
             raise CheckpointError(f"{self.dir} has no safetensors weights{extra}; block-wise verification "
                                   "reads safetensors only")
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, object] | None = None
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
-    def _handle(self, f: Path):
-        if f not in self._handles:
-            from safetensors import safe_open
+    @contextlib.contextmanager
+    def session(self):
+        """Keep files open (mapped) while one unit is read; unmapped after it, so the pages touched
+        for one unit do not stay resident for the rest of the run."""
+        outer = self._handles is None
+        if outer:
+            self._handles = {}
+        try:
+            yield self
+        finally:
+            if outer:
+                handles, self._handles = self._handles, None
+                for h in handles.values():
+                    with contextlib.suppress(Exception):
+                        h.__exit__(None, None, None)
 
+    def _handle(self, f: Path):
+        from safetensors import safe_open
+
+        if f not in self._handles:
             with _checkpoint_errors(f):
-                self._handles[f] = safe_open(str(f), "pt")
+                self._handles[f] = safe_open(str(f), "pt").__enter__()
         return self._handles[f]
 
     def get(self, name: str) -> Tensor:
         f = self.files[name]
-        with _checkpoint_errors(f):
+        with self.session(), _checkpoint_errors(f):
             return self._handle(f).get_tensor(name)
 
     def dtype(self) -> torch.dtype:
         """The stored floating dtype (of the first floating tensor, in name order)."""
+        with self.session():
+            return self._dtype()
+
+    def _dtype(self) -> torch.dtype:
         for name in sorted(self.files):
             f = self._handle(self.files[name])
             with _checkpoint_errors(self.files[name]):
@@ -250,6 +270,10 @@ class Streamer:
         return sum(math.prod(self.slots[f][2]) * size for f in self.unit_slots(path))
 
     def load(self, path: str) -> int:
+        with self.reader.session():
+            return self._load(path)
+
+    def _load(self, path: str) -> int:
         n = 0
         for full in self.unit_slots(path):
             module, pname, shape, names = self.slots[full]
