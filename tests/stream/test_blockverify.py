@@ -17,7 +17,7 @@ import normfold
 from helpers import realistic
 from normfold import io
 from normfold.adapters import get_adapter
-from normfold.errors import CheckpointError
+from normfold.errors import CheckpointError, NormfoldError
 from normfold.stream import blockverify
 from normfold.stream.blockverify import verify_blockwise
 from normfold.verify import compare_models
@@ -203,6 +203,12 @@ def test_refusals_are_clear(tmp_path):
     (wrong / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="shape"):
         verify_blockwise(orig, wrong)
+    # NaN in the original: a clear error, not a report full of inf
+    nan = tmp_path / "nan"
+    shutil.copytree(orig, nan)
+    _perturb(nan, "transformer.h.0.mlp.c_fc.weight", float("nan"))
+    with pytest.raises(NormfoldError, match="not finite"):
+        verify_blockwise(nan, conv)
 
 
 def test_cli_blockwise(tmp_path, capsys):
@@ -229,3 +235,16 @@ def test_half_precision_checkpoint_agrees_with_in_memory(tmp_path, dtype):
     assert math.isclose(got["fp64"]["max_rel_error"], ref["fp64"]["max_rel_error"], rel_tol=0.1)
     assert math.isclose(got["baseline"]["max_rel_error"], ref["baseline"]["max_rel_error"], rel_tol=0.1)
     assert all(w["ok"] for w in got["working"]["blocks"])
+
+
+def test_cli_chooses_blockwise_above_threshold(tmp_path, capsys, monkeypatch):
+    from normfold.cli import main, verify_cmd
+
+    orig, conv, _ = make(tmp_path, "gpt2", head="GPT2LMHeadModel")
+    assert main(["verify", str(orig), str(conv), "--json", "-q"]) == 0
+    assert "blockwise" not in json.loads(capsys.readouterr().out)  # small: in memory
+    monkeypatch.setattr(verify_cmd, "BLOCKWISE_THRESHOLD", 1000)
+    assert main(["verify", str(orig), str(conv), "--json", "-q"]) == 0
+    assert "blockwise" in json.loads(capsys.readouterr().out)
+    assert main(["verify", str(orig), str(conv), "--json", "-q", "--no-blockwise"]) == 0
+    assert "blockwise" not in json.loads(capsys.readouterr().out)

@@ -443,7 +443,7 @@ class _Pass:
     """Hooks for one forward of a skeleton: load/free per unit; capture or force per block."""
 
     def __init__(self, streamer: Streamer, blocks, others, resident, *, capture=False, forced=None,
-                 replace=None, replace_like=None, map_center=False, progress=None) -> None:
+                 replace=None, replace_like=None, map_center=False) -> None:
         self.s = streamer
         self.blocks, self.others, self.resident = blocks, others, resident
         self.capture = capture  # record every block call's stream input / output (float64 reference)
@@ -451,7 +451,6 @@ class _Pass:
         self.replace = replace  # {block: [_Capture]}: skip blocks, return the reference outputs instead
         self.replace_like = replace_like  # {block: [stream output of this model's own run]} (its means)
         self.map_center = map_center
-        self.progress = progress
         self.captured: dict[str, list[_Capture]] = {b: [] for b in blocks}
         self.forced_out: dict[str, list[tuple]] = {b: [] for b in blocks}  # (reference call, output)
         self.free_in: dict[str, list[Tensor]] = {b: [] for b in blocks}
@@ -492,8 +491,6 @@ class _Pass:
         def pre(mod, args, kwargs):
             if self._inner:
                 return None
-            if self.progress is not None:
-                self.progress(path)
             self._held[path] = self.s.load(path)
             if block:
                 self._block_pre(mod, path, args, kwargs)
@@ -643,6 +640,13 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
 
     say("original in float64")
     p_o64, exact = run(o_s, o_units, FP64, capture=True)
+    bad = [k for k, v in exact.items() if not bool(torch.isfinite(v).all())]
+    if bad:
+        raise NormfoldError(
+            f"{original_dir}: the original model's outputs {bad[:3]} are not finite in float64 when run block "
+            "by block. Either its weights hold NaN/Inf, or its code reads a weight outside the module that "
+            "owns it (weights are loaded per module, and an unloaded weight reads as NaN). Check the "
+            "weights, or verify in memory: `normfold verify ORIGINAL CONVERTED --no-blockwise`.")
     ref = p_o64.captured
     say("converted in float64, block by block on the original's hidden states")
     p_c64, out_c64 = run(c_s, c_units, FP64, forced=ref, map_center=True)
