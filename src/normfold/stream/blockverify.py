@@ -11,8 +11,9 @@ Passes (each reads every weight once, holding one unit at a time):
 1. original, float64: captures every block's stream input and output, and the exact model outputs;
 2. converted, float64: runs end to end (the report's `fp64.outputs`) and, inside each block's
    hook, runs that block once more on the ORIGINAL's stream input mapped to the converted stream
-   (centred; first d−1 coordinates for a Pre-CRMSNorm stream): `fp64.blocks`, so a wrong block is
-   named even when later blocks would hide or spread its error;
+   (the original's centred part with the converted model's own per-token mean; the first d−1
+   coordinates for a Pre-CRMSNorm stream): `fp64.blocks`, so a wrong block is named even when
+   later blocks would hide or spread its error;
 3. converted, float64, with every block replaced by the original's (mapped) output: the part after
    the last block (final norm, heads) checked on its own: `fp64.heads`;
 4. and 5. original and converted in their own dtype: end to end (`working`, `baseline`, as in the
@@ -36,8 +37,8 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import CheckpointError, NormfoldError
-from ..verify import (CENTERED_OUTPUTS, ULP_FLOOR, WORKING_FACTOR, TensorDiff, _zero_last, _center, _eps, _worst, describe_inputs, diff_outputs, run_model,
-                      stream_view, top1_agreement)
+from ..verify import (CENTERED_OUTPUTS, ULP_FLOOR, WORKING_FACTOR, TensorDiff, _center, _eps, _worst, _zero_last,
+                      describe_inputs, diff_outputs, run_model, stream_view, top1_agreement)
 
 FP64 = torch.float64
 
@@ -47,7 +48,8 @@ FP64 = torch.float64
 class CheckpointReader:
     """Tensor names → memory-mapped safetensors files of a model directory (single file or index).
 
-    Files are opened with `safe_open` (mmap) on first use; `get` copies one tensor out."""
+    Files are mapped with `safe_open` only while one unit is read (`session`); `get` copies one
+    tensor out, so nothing stays mapped between units."""
 
     def __init__(self, directory: str | os.PathLike) -> None:
         self.dir = Path(directory)
@@ -342,7 +344,8 @@ def find_units(model: nn.Module) -> tuple[list[str], list[str], list[str]]:
     """(blocks, others, resident): blocks are the children of every layer stack (ModuleList of one
     block type); others are the largest subtrees outside the stacks that own parameters (embeddings,
     norms, heads); resident are modules owning parameters directly while also containing a stack
-    (loaded for the whole pass; small in practice, e.g. a logit scale)."""
+    (loaded for the whole pass; small in practice, e.g. a logit scale). A model without a stack is
+    one unit: verified correctly, but with no memory saving."""
     blocks, others, resident = [], [], []
 
     def has_stack(m):
