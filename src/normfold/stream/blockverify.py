@@ -109,6 +109,32 @@ class CheckpointReader:
         with self.session(), _checkpoint_errors(f):
             return self._handle(f).get_tensor(name)
 
+    def info(self, name: str) -> tuple[tuple, torch.dtype]:
+        """(shape, dtype) of a stored tensor, from the header."""
+        f = self.files[name]
+        with self.session(), _checkpoint_errors(f):
+            sl = self._handle(f).get_slice(name)
+            code = sl.get_dtype()
+            if code not in _SAFETENSORS_DTYPES:
+                raise CheckpointError(f"{f}: tensor {name!r} has dtype {code}, which normfold does not read")
+            return tuple(sl.get_shape()), _SAFETENSORS_DTYPES[code]
+
+    def get_as(self, name: str, dtype: torch.dtype, chunk_bytes: int = 1 << 24) -> Tensor:
+        """The tensor cast to `dtype`, read in slices of rows: the stored-dtype copy that a whole-tensor
+        read and cast would hold next to the result is never larger than `chunk_bytes`."""
+        shape, stored = self.info(name)
+        out = torch.empty(shape, dtype=dtype)
+        f = self.files[name]
+        with self.session(), _checkpoint_errors(f):
+            sl = self._handle(f).get_slice(name)
+            if len(shape) == 0:
+                return self._handle(f).get_tensor(name).to(dtype)
+            row = max(1, math.prod(shape[1:]) * torch.tensor([], dtype=stored).element_size())
+            step = max(1, chunk_bytes // row)
+            for i in range(0, shape[0], step):
+                out[i:i + step] = sl[i:i + step]
+        return out
+
     def dtype(self) -> torch.dtype:
         """The stored floating dtype (of the first floating tensor, in name order)."""
         with self.session():
@@ -283,12 +309,14 @@ class Streamer:
             if key is None:
                 raise CheckpointError(f"{self.reader.dir} has no tensor for parameter {full!r}; the weights do "
                                       "not match the config (and the recorded structure)")
-            t = self.reader.get(key)
-            if tuple(t.shape) != shape:
-                raise CheckpointError(f"{self.reader.dir}: tensor {key!r} has shape {tuple(t.shape)} but the "
+            stored_shape, stored_dtype = self.reader.info(key)
+            if stored_shape != shape:
+                raise CheckpointError(f"{self.reader.dir}: tensor {key!r} has shape {stored_shape} but the "
                                       f"model built from config.json expects {shape}")
-            if t.is_floating_point():
-                t = t.to(self.dtype)
+            if stored_dtype.is_floating_point and stored_dtype != self.dtype:
+                t = self.reader.get_as(key, self.dtype)
+            else:
+                t = self.reader.get(key)
             module._parameters[pname] = nn.Parameter(t, requires_grad=False)
             n += t.numel() * t.element_size()
         self.ledger.add(n)
