@@ -327,6 +327,26 @@ class Streamer:
             module, pname, shape, _ = self.slots[full]
             module._parameters[pname] = _placeholder(shape, module._parameters[pname].dtype)
         self.ledger.sub(n)
+        _return_freed_memory()
+
+
+def _return_freed_memory() -> None:
+    """glibc keeps freed weights below its mmap threshold (up to 32 MB each) in its heap, and the
+    heap then grows pass after pass (measured: +0.4 GB per pass on a 774M-parameter GPT-2);
+    malloc_trim hands them back to the system. A no-op where there is no glibc."""
+    global _TRIM
+    if _TRIM is None:
+        try:
+            import ctypes
+
+            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM = None
 
 
 def checkpoint_keys(model: nn.Module, keys: list[str], wanted: set[str]) -> dict[str, str]:
