@@ -15,7 +15,16 @@ model directory. Both run on the same inputs (random tokens or --text): in float
 weights' rounding included, so the tolerance is 1024 ulp of their dtype) and in their own dtype,
 next to ORIGINAL's own error against its float64 version. Residual-stream hidden states are
 compared after removing their per-token mean (the converted model carries the recentred stream).
+
+Checkpoints above 1 GiB of weights (both together) are verified block by block in bounded memory
+(--blockwise forces it, --no-blockwise forbids it): the models are built without weights, each
+block's weights are read from the safetensors files just before it runs and dropped after it, and
+every converted block also runs on the original's hidden states, so a wrong block is named.
 """
+
+# Above this many bytes of weights (ORIGINAL + CONVERTED on disk), verify block by block: the
+# in-memory check holds both models plus float64 copies (about 6x the float32 weights).
+BLOCKWISE_THRESHOLD = 1 << 30
 
 
 def add_parser(sub) -> None:
@@ -26,6 +35,9 @@ def add_parser(sub) -> None:
     p.add_argument("converted", metavar="CONVERTED", help="the converted model directory")
     p.add_argument("--text", help="verify on this text (ORIGINAL's tokenizer) instead of random tokens")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--blockwise", action=argparse.BooleanOptionalAction, default=None,
+                   help="verify block by block in bounded memory (default: when the weights exceed 1 GiB; "
+                        "needs local safetensors checkpoints)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(run=run)
@@ -42,6 +54,8 @@ def run(args) -> int:
     from ..verify import CENTERED_OUTPUTS, compare_models
     from .convert_cmd import _text_inputs
 
+    if _use_blockwise(args):
+        return _run_blockwise(args)
     steps = Steps(total=3, quiet=args.quiet)
     steps.start("load", f"loading {args.original} and {args.converted}")
     original, _ = io.load_source(args.original)
@@ -68,6 +82,49 @@ def run(args) -> int:
     steps.start("verify", "running both models")
     result = compare_models(original, converted, inputs, centered=centered).to_dict()
     steps.end()
+    return _print_result(args, result)
+
+
+def _weights_bytes(path) -> int | None:
+    """Bytes of safetensors weights in a local directory (None: not a local directory)."""
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def _use_blockwise(args) -> bool:
+    if args.blockwise is not None:
+        return args.blockwise
+    sizes = [_weights_bytes(args.original), _weights_bytes(args.converted)]
+    return None not in sizes and sum(sizes) > BLOCKWISE_THRESHOLD
+
+
+def _run_blockwise(args) -> int:
+    import sys
+
+    from ..stream.blockverify import verify_blockwise
+
+    inputs = None
+    if args.text:
+        from .convert_cmd import _text_inputs
+
+        inputs = _text_inputs(args.original, args.text)
+    steps = Steps(total=1, quiet=args.quiet)
+    steps.start("verify", f"verifying {args.converted} against {args.original} block by block")
+
+    def progress(msg: str) -> None:
+        if not args.quiet:
+            print(f"      {msg}", file=sys.stderr, flush=True)
+
+    result = verify_blockwise(args.original, args.converted, inputs=inputs, seed=args.seed, progress=progress)
+    steps.end()
+    return _print_result(args, result)
+
+
+def _print_result(args, result: dict) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -80,6 +137,18 @@ def run(args) -> int:
                  sci(result["baseline"]["max_rel_error"]), "floating-point baseline"],
                 [f"{result['dtype']}: converted within 4x baseline", "", "",
                  "pass" if result["working"]["passed"] else "FAIL"]]
+        blocks = f.get("blocks")
+        if blocks:
+            worst = max(blocks, key=lambda b: b["max_rel"])
+            n_bad = sum(not b["passed"] for b in blocks)
+            rows.insert(1, [f"float64 per block ({len(blocks)}, on the original's input)", sci(worst["max_abs"]),
+                            sci(worst["max_rel"]), "pass" if not n_bad else f"FAIL ({n_bad} blocks)"])
         print(table(rows, header=["verification", "max abs", "max rel", ""]))
+        failed = (result.get("blockwise") or {}).get("failed_blocks")
+        if failed:
+            print(f"\n  blocks beyond tolerance: {', '.join(failed)}")
+        heads = [h["name"] for h in (f.get("heads") or []) + (f.get("embeddings") or []) if not h["passed"]]
+        if heads:
+            print(f"  outside the blocks, beyond tolerance: {', '.join(heads)}")
         print(f"\n  {'PASS' if result['passed'] else 'FAIL'}: {args.converted} vs {args.original}")
     return 0 if result["passed"] else 1

@@ -1,4 +1,5 @@
-"""Streaming (shard-by-shard) conversion of safetensors checkpoints in bounded memory (issue 11)."""
+"""Checkpoints larger than memory (issue 11): streaming (shard-by-shard) conversion of safetensors
+checkpoints and block-wise verification, both in bounded memory."""
 
 from .convert import StreamUnsupportedError, stream_convert
 

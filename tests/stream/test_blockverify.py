@@ -1,0 +1,250 @@
+"""Block-wise verification in bounded memory (normfold.stream.blockverify).
+
+References: the in-memory `verify.compare_models` on the same checkpoints (same inputs), the
+original model itself, and a weight-liveness count taken outside the verifier's own bookkeeping."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import weakref
+
+import pytest
+import torch
+
+import normfold
+from helpers import realistic
+from normfold import io
+from normfold.adapters import get_adapter
+from normfold.errors import CheckpointError, NormfoldError
+from normfold.stream import blockverify
+from normfold.stream.blockverify import verify_blockwise
+from normfold.verify import compare_models
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+
+def reshard(directory, max_bytes: int = 24_000) -> None:
+    """Rewrite a single-file checkpoint as shards + index (what large checkpoints look like)."""
+    for name in ("model.safetensors", "normfold_model.safetensors"):
+        f = directory / name
+        if not f.is_file():
+            continue
+        state = load_file(str(f))
+        shards, cur, size = [], {}, 0
+        for k in sorted(state):
+            nb = state[k].numel() * state[k].element_size()
+            if cur and size + nb > max_bytes:
+                shards.append(cur)
+                cur, size = {}, 0
+            cur[k], size = state[k], size + nb
+        shards.append(cur)
+        stem = name[: -len(".safetensors")]
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            fname = f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(directory / fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in shard})
+        (directory / f"{name}.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        f.unlink()
+        assert len(shards) > 1
+
+
+def make(tmp_path, family: str, to: str = "rmsnorm", dtype=None, head=None, **variant_options):
+    """(original dir saved sharded, converted dir, converted dir resharded, in-memory result)."""
+    ex = get_adapter(family).examples[0]
+    torch.manual_seed(0)
+    model = realistic(ex.build(head))
+    if dtype is not None:
+        model = model.to(dtype)
+    orig = tmp_path / "orig"
+    model.save_pretrained(orig, max_shard_size="20KB")
+    conv, report = normfold.convert(model, to=to, verify=False, variant_options=variant_options or None)
+    out = normfold.save(conv, report, tmp_path / "conv")
+    sharded = tmp_path / "conv-sharded"
+    shutil.copytree(out, sharded)
+    reshard(sharded)
+    return orig, out, sharded
+
+
+def in_memory(orig, conv):
+    o, _ = io.load_source(orig)
+    c = io.load(conv)
+    inputs = blockverify._example_inputs(o, 0)
+    centered = tuple(c.normfold_report.centered_outputs) or None
+    kw = {"centered": centered} if centered else {}
+    return compare_models(o, c, inputs, **kw).to_dict()
+
+
+FAMILIES = [("gpt2", "GPT2LMHeadModel"), ("gpt_neox", "GPTNeoXForCausalLM"), ("opt", "OPTForCausalLM"),
+            ("bloom", "BloomForCausalLM"), ("whisper", "WhisperForConditionalGeneration"),
+            ("vit", "ViTForImageClassification")]
+
+
+@pytest.mark.parametrize("family,head", FAMILIES)
+def test_blockwise_agrees_with_in_memory(tmp_path, family, head):
+    orig, conv, sharded = make(tmp_path, family, head=head)
+    ref = in_memory(orig, conv)
+    got = verify_blockwise(orig, sharded)
+    assert ref["passed"] and got["passed"], (ref, got["blockwise"])
+    # same outputs compared, errors of the same order (here: the same computation, so equal)
+    assert [o["name"] for o in got["fp64"]["outputs"]] == [o["name"] for o in ref["fp64"]["outputs"]]
+    for key in ("max_rel_error",):
+        a, b = got["fp64"][key], ref["fp64"][key]
+        assert b / 10 <= a <= b * 10, (a, b)
+        a, b = got[key], ref[key]
+        assert b / 10 <= a <= b * 10, (a, b)
+    assert got["top1_agreement"] == ref["top1_agreement"]
+    assert math.isclose(got["baseline"]["max_rel_error"], ref["baseline"]["max_rel_error"], rel_tol=0.1)
+    # every block, run on the original's hidden states, matches the original's block in float64
+    # (float32 stored weights: a few ulp of float32, far below the 1024-ulp tolerance)
+    assert got["fp64"]["blocks"] and all(b["max_rel"] < 1e-6 for b in got["fp64"]["blocks"]), got["fp64"]["blocks"]
+    assert all(h["max_rel"] < 1e-6 for h in got["fp64"]["heads"] + got["fp64"]["embeddings"])
+    assert got["blockwise"]["failed_blocks"] == []
+
+
+def _perturb(directory, key: str, delta: float) -> None:
+    for f in directory.glob("*.safetensors"):
+        state = load_file(str(f))
+        if key in state:
+            t = state[key].clone()
+            t.view(-1)[3] += delta
+            state[key] = t
+            save_file(state, str(f), metadata={"format": "pt"})
+            return
+    raise AssertionError(f"{key} not found")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_corrupted_block_fails_and_is_named(tmp_path, dtype):
+    orig, conv, sharded = make(tmp_path, "gpt2", dtype=dtype, head="GPT2LMHeadModel")
+    bad = "transformer.h.1" if dtype == torch.float64 else "transformer.h.0"
+    _perturb(sharded, f"{bad}.mlp.c_proj.weight", 1e-3)
+    got = verify_blockwise(orig, sharded)
+    assert not got["passed"] and not got["fp64"]["passed"]
+    assert got["blockwise"]["failed_blocks"] == [bad]
+    rows = {b["name"]: b for b in got["fp64"]["blocks"]}
+    assert not rows[bad]["passed"] and all(r["passed"] for n, r in rows.items() if n != bad)
+    # the in-memory verification of the same corrupted weights fails too
+    broken = tmp_path / "conv-bad"
+    shutil.copytree(conv, broken)
+    _perturb(broken, f"{bad}.mlp.c_proj.weight", 1e-3)
+    assert not in_memory(orig, broken)["passed"]
+
+
+def test_weights_held_at_once_are_one_unit(tmp_path, monkeypatch):
+    """Count materialized weights from outside the verifier's ledger: every parameter tensor the
+    loader creates is tracked until it is garbage (weakref), so a leak would show up here."""
+    ex = get_adapter("gpt2").examples[0]
+    cfg = dict(ex.kwargs, n_layer=6)
+    torch.manual_seed(0)
+    model = realistic(transformers.GPT2LMHeadModel(transformers.GPT2Config(**cfg)).eval())
+    model.save_pretrained(tmp_path / "orig", max_shard_size="20KB")
+    conv, report = normfold.convert(model, verify=False)
+    normfold.save(conv, report, tmp_path / "conv")
+
+    live = {"now": 0, "peak": 0}
+    load = blockverify.Streamer.load
+
+    def tracked(self, path):
+        n = load(self, path)
+        for full in self.unit_slots(path):
+            module, pname, _, _ = self.slots[full]
+            t = module._parameters[pname]
+            nb = t.numel() * t.element_size()
+            live["now"] += nb
+            weakref.finalize(t, lambda nb=nb: live.__setitem__("now", live["now"] - nb))
+        live["peak"] = max(live["peak"], live["now"])
+        return n
+
+    monkeypatch.setattr(blockverify.Streamer, "load", tracked)
+    got = verify_blockwise(tmp_path / "orig", tmp_path / "conv")
+    assert got["passed"]
+    # independent sizes, from the in-memory model, in float64
+    per_block = sum(p.numel() for p in model.transformer.h[0].parameters()) * 8
+    wte = model.transformer.wte.weight.numel() * 8
+    total = sum(p.numel() for p in model.parameters()) * 8
+    largest_unit = max(per_block, wte)
+    assert live["peak"] <= largest_unit, (live["peak"], largest_unit)
+    assert live["peak"] >= per_block  # each block was materialized whole
+    assert live["peak"] < total / 3
+    assert got["blockwise"]["peak_weight_bytes"] == live["peak"]
+    assert live["now"] == 0  # nothing left materialized
+
+
+def test_crmsnorm_checkpoint_verifies(tmp_path):
+    orig, conv, sharded = make(tmp_path, "gpt2", to="crmsnorm", head="GPT2LMHeadModel")
+    ref = in_memory(orig, conv)
+    got = verify_blockwise(orig, sharded)
+    assert ref["passed"] and got["passed"]
+    assert got["fp64"]["max_rel_error"] <= 10 * ref["fp64"]["max_rel_error"]
+    assert all(b["max_rel"] < 1e-6 for b in got["fp64"]["blocks"])
+    _perturb(sharded, "transformer.h.1.attn.c_proj.weight", 1e-2)
+    bad = verify_blockwise(orig, sharded)
+    assert not bad["passed"] and bad["blockwise"]["failed_blocks"] == ["transformer.h.1"]
+
+
+def test_refusals_are_clear(tmp_path):
+    orig, conv, _ = make(tmp_path, "gpt2", head="GPT2LMHeadModel")
+    pickled = tmp_path / "pickled"
+    shutil.copytree(orig, pickled)
+    for f in list(pickled.glob("*.safetensors*")):
+        f.unlink()
+    torch.save({}, pickled / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="safetensors only"):
+        verify_blockwise(pickled, conv)
+    # shapes that disagree with the config
+    wrong = tmp_path / "wrong"
+    shutil.copytree(conv, wrong)
+    cfg = json.loads((wrong / "config.json").read_text())
+    cfg["n_inner"] = 4 * cfg["n_embd"] + 8
+    (wrong / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="shape"):
+        verify_blockwise(orig, wrong)
+    # NaN in the original: a clear error, not a report full of inf
+    nan = tmp_path / "nan"
+    shutil.copytree(orig, nan)
+    _perturb(nan, "transformer.h.0.mlp.c_fc.weight", float("nan"))
+    with pytest.raises(NormfoldError, match="not finite"):
+        verify_blockwise(nan, conv)
+
+
+def test_cli_blockwise(tmp_path, capsys):
+    from normfold.cli import main
+
+    orig, conv, sharded = make(tmp_path, "gpt2", head="GPT2LMHeadModel")
+    assert main(["verify", str(orig), str(sharded), "--blockwise", "--json", "-q"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["passed"] and result["blockwise"]["blocks"] == 2
+    _perturb(sharded, "transformer.h.1.mlp.c_proj.weight", 1e-2)
+    assert main(["verify", str(orig), str(sharded), "--blockwise", "-q"]) == 1
+    out = capsys.readouterr().out
+    assert "blocks beyond tolerance: transformer.h.1" in out and "FAIL" in out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_checkpoint_agrees_with_in_memory(tmp_path, dtype):
+    """bf16 / fp16 checkpoints: the working-dtype check runs in that dtype, like the in-memory one."""
+    orig, conv, sharded = make(tmp_path, "gpt_neox", dtype=dtype, head="GPTNeoXForCausalLM")
+    ref, got = in_memory(orig, conv), verify_blockwise(orig, sharded)
+    assert got["dtype"] == ref["dtype"] == str(dtype).replace("torch.", "")
+    assert ref["passed"] and got["passed"]
+    assert math.isclose(got["max_rel_error"], ref["max_rel_error"], rel_tol=0.1)
+    assert math.isclose(got["fp64"]["max_rel_error"], ref["fp64"]["max_rel_error"], rel_tol=0.1)
+    assert math.isclose(got["baseline"]["max_rel_error"], ref["baseline"]["max_rel_error"], rel_tol=0.1)
+    assert all(w["ok"] for w in got["working"]["blocks"])
+
+
+def test_cli_chooses_blockwise_above_threshold(tmp_path, capsys, monkeypatch):
+    from normfold.cli import main, verify_cmd
+
+    orig, conv, _ = make(tmp_path, "gpt2", head="GPT2LMHeadModel")
+    assert main(["verify", str(orig), str(conv), "--json", "-q"]) == 0
+    assert "blockwise" not in json.loads(capsys.readouterr().out)  # small: in memory
+    monkeypatch.setattr(verify_cmd, "BLOCKWISE_THRESHOLD", 1000)
+    assert main(["verify", str(orig), str(conv), "--json", "-q"]) == 0
+    assert "blockwise" in json.loads(capsys.readouterr().out)
+    assert main(["verify", str(orig), str(conv), "--json", "-q", "--no-blockwise"]) == 0
+    assert "blockwise" not in json.loads(capsys.readouterr().out)
