@@ -123,3 +123,49 @@ def test_disk_full_is_a_user_error(ckpt, tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "No space left" in err and "Traceback" not in err
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("extra", [[], ["--fold-final"]])
+def test_large_sources_are_verified_block_by_block(ckpt, tmp_path, capsys, monkeypatch, extra):
+    """Above the in-memory threshold the streamed output is verified by normfold.stream.blockverify: same
+    verdict and the same float64 level as the in-memory verification of the same conversion."""
+    from normfold.stream import cli as stream_cli
+
+    monkeypatch.setattr(stream_cli, "VERIFY_IN_MEMORY_BYTES", 0)
+    assert main(["convert", str(ckpt), "--out", str(tmp_path / "out"), "--stream", "always", "-q", "--json",
+                 *extra]) == 0
+    v = json.loads(capsys.readouterr().out)["verification"]
+    assert v["passed"] is True and "blockwise" in v and v["fp64"]["passed"] is True
+    assert v["blockwise"]["failed_blocks"] == []
+    assert "pending" not in json.dumps(v)
+
+
+def test_blockwise_verification_catches_a_wrong_streamed_tensor(ckpt, tmp_path, capsys, monkeypatch):
+    """A streamed conversion that wrote one wrong tensor is refused and nothing is written."""
+    from normfold.stream import cli as stream_cli
+    from normfold.stream import convert as stream_convert_mod
+
+    real = stream_convert_mod.stream_convert
+
+    def corrupting(source_dir, out_dir, **kw):
+        report = real(source_dir, out_dir, **kw)
+        from safetensors.torch import load_file, save_file
+
+        for f in sorted(Path(out_dir).glob("*.safetensors")):
+            state = load_file(f)
+            name = next((k for k in state if k.endswith("h.1.mlp.c_proj.weight")), None)
+            if name is not None:
+                state[name] = state[name] + 1e-2
+                save_file(state, f, metadata={"format": "pt"})
+                break
+        else:
+            raise AssertionError("no tensor to corrupt")
+        return report
+
+    monkeypatch.setattr(stream_cli, "VERIFY_IN_MEMORY_BYTES", 0)
+    monkeypatch.setattr(stream_cli, "stream_convert", corrupting)
+    code = main(["convert", str(ckpt), "--out", str(tmp_path / "out"), "--stream", "always", "-q"])
+    captured = capsys.readouterr()
+    assert code == 1, captured.err
+    assert "verification failed" in captured.err and "Traceback" not in captured.err
+    assert list(tmp_path.iterdir()) == []
