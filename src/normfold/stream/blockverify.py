@@ -76,6 +76,7 @@ class CheckpointReader:
             raise CheckpointError(f"{self.dir} has no safetensors weights{extra}; block-wise verification "
                                   "reads safetensors only")
         self._handles: dict[Path, object] | None = None
+        self._headers: dict[Path, dict] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
@@ -104,35 +105,50 @@ class CheckpointReader:
                 self._handles[f] = safe_open(str(f), "pt").__enter__()
         return self._handles[f]
 
-    def get(self, name: str) -> Tensor:
+    def _info(self, name: str):
+        """The tensor's header entry (file offsets), read once per file with plain reads."""
+        from .safetensors_io import read_header
+
         f = self.files[name]
-        with self.session(), _checkpoint_errors(f):
-            return self._handle(f).get_tensor(name)
+        if f not in self._headers:
+            with _checkpoint_errors(f):
+                self._headers[f] = read_header(f)[0]
+        return self._headers[f][name]
+
+    def get(self, name: str) -> Tensor:
+        """A private copy read with pread: no memory map, so no file pages stay resident beside it."""
+        from .safetensors_io import read_tensor
+
+        with _checkpoint_errors(self.files[name]):
+            return read_tensor(self._info(name))
 
     def info(self, name: str) -> tuple[tuple, torch.dtype]:
         """(shape, dtype) of a stored tensor, from the header."""
-        f = self.files[name]
-        with self.session(), _checkpoint_errors(f):
-            sl = self._handle(f).get_slice(name)
-            code = sl.get_dtype()
-            if code not in _SAFETENSORS_DTYPES:
-                raise CheckpointError(f"{f}: tensor {name!r} has dtype {code}, which normfold does not read")
-            return tuple(sl.get_shape()), _SAFETENSORS_DTYPES[code]
+        entry = self._info(name)
+        if entry.dtype not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{entry.file}: tensor {name!r} has dtype {entry.dtype}, which normfold does not read")
+        return tuple(entry.shape), _SAFETENSORS_DTYPES[entry.dtype]
 
     def get_as(self, name: str, dtype: torch.dtype, chunk_bytes: int = 1 << 24) -> Tensor:
-        """The tensor cast to `dtype`, read in slices of rows: the stored-dtype copy that a whole-tensor
-        read and cast would hold next to the result is never larger than `chunk_bytes`."""
+        """The tensor cast to `dtype`, read (pread) in slices of rows: the stored-dtype copy that a
+        whole-tensor read and cast would hold next to the result is never larger than `chunk_bytes`."""
+        from dataclasses import replace
+
+        from .safetensors_io import read_tensor
+
+        entry = self._info(name)
         shape, stored = self.info(name)
+        if len(shape) == 0 or entry.nbytes <= chunk_bytes:
+            return self.get(name).to(dtype)
         out = torch.empty(shape, dtype=dtype)
-        f = self.files[name]
-        with self.session(), _checkpoint_errors(f):
-            sl = self._handle(f).get_slice(name)
-            if len(shape) == 0:
-                return self._handle(f).get_tensor(name).to(dtype)
-            row = max(1, math.prod(shape[1:]) * torch.tensor([], dtype=stored).element_size())
-            step = max(1, chunk_bytes // row)
+        row = max(1, entry.nbytes // shape[0])
+        step = max(1, chunk_bytes // row)
+        with _checkpoint_errors(entry.file):
             for i in range(0, shape[0], step):
-                out[i:i + step] = sl[i:i + step]
+                k = min(step, shape[0] - i)
+                part = replace(entry, shape=(k, *shape[1:]), start=entry.start + i * row,
+                               end=entry.start + (i + k) * row)
+                out[i:i + k] = read_tensor(part)
         return out
 
     def dtype(self) -> torch.dtype:
@@ -144,8 +160,7 @@ class CheckpointReader:
         for name in sorted(self.files):
             f = self._handle(self.files[name])
             with _checkpoint_errors(self.files[name]):
-                t = f.get_slice(name)
-                dt = _SAFETENSORS_DTYPES.get(t.get_dtype())
+                dt = _SAFETENSORS_DTYPES.get(self._info(name).dtype)
             if dt is not None and dt.is_floating_point:
                 return dt
         return torch.float32
