@@ -271,3 +271,12 @@ def test_signal_at_each_phase_leaves_nothing(good, tmp_path, sig, phase):
         assert "interrupted" in err
         assert list(tmp_path.iterdir()) == []
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_verify_refuses_remote_code_and_names_its_flag(good, tmp_path, capsys):
+    def edit(d):
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["auto_map"] = {"AutoConfig": "custom.Cfg"}
+        (d / "config.json").write_text(json.dumps(cfg))
+    d = variant(good, tmp_path, edit)
+    refuse(["verify", d, good], capsys, tmp_path, "--trust-remote-code")

@@ -38,6 +38,9 @@ def add_parser(sub) -> None:
     p.add_argument("--blockwise", action=argparse.BooleanOptionalAction, default=None,
                    help="verify block by block in bounded memory (default: when the weights exceed 1 GiB; "
                         "needs local safetensors checkpoints)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers import Python code shipped with ORIGINAL (configs with an auto_map); "
+                        "without it such models are refused and nothing from them runs")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(run=run)
@@ -58,13 +61,13 @@ def run(args) -> int:
         return _run_blockwise(args)
     steps = Steps(total=3, quiet=args.quiet)
     steps.start("load", f"loading {args.original} and {args.converted}")
-    original, _ = io.load_source(args.original)
+    original, _ = io.load_source(args.original, trust_remote_code=args.trust_remote_code)
     conv_path = Path(args.converted)
     if (conv_path / io.REPORT_FILE).is_file():
         converted = io.load(conv_path)
         centered = tuple(converted.normfold_report.centered_outputs) or CENTERED_OUTPUTS
     else:
-        converted, _ = io.load_source(args.converted)
+        converted, _ = io.load_source(args.converted, trust_remote_code=args.trust_remote_code)
         centered = CENTERED_OUTPUTS
     if type(original).__name__ != type(converted).__name__:
         raise NormfoldError(f"ORIGINAL is a {type(original).__name__} but CONVERTED is a {type(converted).__name__}")
