@@ -22,6 +22,7 @@ zero instead (writers' last output row and bias entry, readers' last input colum
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import torch
@@ -312,6 +313,10 @@ def _probe(model: nn.Module, pad: bool) -> None:
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         inputs = {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
                   for k, v in inputs.items()}
+        # no KV cache: the probe checks stream shapes only, and some HF heads cannot even build their
+        # cache (MBartForCausalLM sizes it by encoder_layers, so encoder_layers < decoder_layers fails)
+        if "use_cache" in inspect.signature(model.forward).parameters:
+            inputs["use_cache"] = False
         was = model.training
         model.eval()
         with torch.no_grad():
