@@ -134,6 +134,29 @@ def test_corrupted_block_fails_and_is_named(tmp_path, dtype):
     assert not in_memory(orig, broken)["passed"]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_tolerance_passes_a_right_conversion_and_fails_a_wrong_one(tmp_path, dtype):
+    """1024 ulp of bfloat16 is 8.0 relative: a tolerance nothing fails. The stored-weights tolerance
+    for 16-bit dtypes is 8 ulp, so a correct conversion passes and a wrong writer fails."""
+    from normfold.verify import stored_weights_tolerance
+
+    assert stored_weights_tolerance(dtype) < 0.1
+    orig, conv, sharded = make(tmp_path, "gpt2", dtype=dtype, head="GPT2LMHeadModel")
+    good = verify_blockwise(orig, sharded)
+    assert good["passed"], good["fp64"]
+    assert good["fp64"]["max_rel_error"] < good["fp64"]["tolerance"] == stored_weights_tolerance(dtype)
+    # a writer off by a factor (what a γ folded twice would do); tiny random blocks write little into
+    # the stream, so smaller mistakes (one unfolded γ: 0.019, 2.4 ulp) hide in bfloat16 rounding
+    key = "transformer.h.0.mlp.c_proj.weight"
+    for f in sharded.glob("*.safetensors"):
+        state = load_file(str(f))
+        if key in state:
+            state[key] = state[key] * 3
+            save_file(state, str(f), metadata={"format": "pt"})
+    bad = verify_blockwise(orig, sharded)
+    assert not bad["fp64"]["passed"] and "transformer.h.0" in bad["blockwise"]["failed_blocks"], bad["fp64"]
+
+
 def test_weights_held_at_once_are_one_unit(tmp_path, monkeypatch):
     """Count materialized weights from outside the verifier's ledger: every parameter tensor the
     loader creates is tracked until it is garbage (weakref), so a leak would show up here."""

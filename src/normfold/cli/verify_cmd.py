@@ -12,8 +12,8 @@ Run ORIGINAL and CONVERTED side by side and report the errors of CONVERTED.
 
 CONVERTED is a directory written by `normfold convert` (loaded with normfold's fast norms) or any
 model directory. Both run on the same inputs (random tokens or --text): in float64 (the stored
-weights' rounding included, so the tolerance is 1024 ulp of their dtype) and in their own dtype,
-next to ORIGINAL's own error against its float64 version. Residual-stream hidden states are
+weights' rounding included, so the tolerance is 1024 ulp of float32, 8 ulp of bfloat16/float16) and
+in their own dtype, next to ORIGINAL's own error against its float64 version. Residual-stream hidden states are
 compared after removing their per-token mean (the converted model carries the recentred stream).
 
 Checkpoints above 1 GiB of weights (both together) are verified block by block in bounded memory

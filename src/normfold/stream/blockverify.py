@@ -37,8 +37,9 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import CheckpointError, NormfoldError
-from ..verify import (CENTERED_OUTPUTS, ULP_FLOOR, WORKING_FACTOR, TensorDiff, _center, _eps, _worst, _zero_last,
-                      describe_inputs, diff_outputs, run_model, stream_view, top1_agreement)
+from ..verify import (CENTERED_OUTPUTS, ULP_FLOOR, WORKING_FACTOR, TensorDiff, _center, _eps, _worst,
+                      _zero_last, describe_inputs, diff_outputs, run_model, stored_weights_tolerance, stream_view,
+                      top1_agreement)
 
 FP64 = torch.float64
 
@@ -667,8 +668,8 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     `original_dir` / `converted_dir`: local model directories with safetensors weights (one file or
     an index); the converted one may carry `normfold.json`, whose structure is replayed. `inputs`:
     forward kwargs (default: the adapter's example inputs for `seed`). `progress(message)` is called
-    as each pass starts. `fp64_tol` defaults to compare_models' (1024 ulp of the stored dtype, at
-    least 1e-9)."""
+    as each pass starts. `fp64_tol` defaults to compare_models' (`verify.stored_weights_tolerance` of
+    the stored dtype)."""
     from ..io import REPORT_FILE, read_report
 
     original_dir, converted_dir = Path(original_dir), Path(converted_dir)
@@ -697,7 +698,7 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     if c_units[0] != blocks:
         raise CheckpointError(f"{converted_dir} has block stacks {c_units[0][:3]}... but {original_dir} has "
                               f"{blocks[:3]}...: not a conversion of it")
-    tol = fp64_tol if fp64_tol is not None else max(1e-9, 1024 * _eps(c_dtype))
+    tol = fp64_tol if fp64_tol is not None else stored_weights_tolerance(c_dtype)
 
     def run(streamer, units, dtype, **kw):
         streamer.set_dtype(dtype)

@@ -179,8 +179,8 @@ def _verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float
         from .blockverify import verify_blockwise
 
         (Path(out_dir) / io.REPORT_FILE).write_text(report.to_json() + "\n")  # its structure is replayed
-        # the stored (rounded) weights run in float64, so the tolerance is `normfold verify`'s: 1024 ulp of
-        # the stored dtype (at least 1e-9), unless the user set --fp64-tol
+        # the stored (rounded) weights run in float64, so the tolerance is `normfold verify`'s
+        # (verify.stored_weights_tolerance: 1024 ulp for float32, 8 ulp for 16-bit), unless --fp64-tol is set
         report.verification = verify_blockwise(source_dir, out_dir, seed=seed, progress=progress,
                                                fp64_tol=None if fp64_tol == 1e-9 else fp64_tol)
     else:
