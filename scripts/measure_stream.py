@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,11 +25,15 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 def run_child(cmd: list[str]) -> dict:
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    out, err = proc.stdout.read().decode(), proc.stderr.read().decode()
+    # output goes to files, not pipes: wait4 does not read, and a child filling a 64 KB pipe would block forever
+    with tempfile.TemporaryFile() as fout, tempfile.TemporaryFile() as ferr:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, stdout=fout, stderr=ferr)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        fout.seek(0)
+        ferr.seek(0)
+        out, err = fout.read().decode(), ferr.read().decode()
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
         raise SystemExit(f"{' '.join(cmd)} exited {code}:\n{err[-3000:]}")
