@@ -19,6 +19,19 @@ if not torch.cuda.is_available():
 
 from helpers import perturb_norms  # noqa: E402,F401  (re-exported for tests)
 
+# Hypothesis profiles (tests/properties/, tests/algebra/test_properties.py). "ci", the default, is
+# small and derandomized so a CI run is repeatable; `pytest --hypothesis-profile=deep` searches more.
+try:
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True, print_blob=True,
+                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    settings.register_profile("deep", max_examples=200, deadline=None, print_blob=True,
+                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    settings.load_profile(os.environ.get("NORMFOLD_HYPOTHESIS_PROFILE", "ci"))
+except ImportError:  # hypothesis is a test extra; without it the property tests skip
+    pass
+
 
 @pytest.fixture(autouse=True)
 def _seed():

@@ -78,3 +78,33 @@ def run_flat(model: nn.Module, inputs: dict) -> dict:
         except TypeError:
             out = model(**kwargs, output_hidden_states=True)
     return flat_outputs(out)
+
+
+def full_width(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """A stream output of a Pre-CRMSNorm model back at the original width d (independent of
+    normfold.verify): the d−1 stream gets its dropped coordinate (minus the sum of the others); the
+    zero-padded stream gets its zero last coordinate replaced the same way."""
+    t = t.double()
+    if t.shape[-1] + 1 == ref.shape[-1]:
+        t = torch.cat([t, -t.sum(-1, keepdim=True)], -1)
+    elif t.shape == ref.shape and bool((t[..., -1] == 0).all()) and not bool((ref[..., -1] == 0).all()):
+        t = torch.cat([t[..., :-1], -t[..., :-1].sum(-1, keepdim=True)], -1)
+    return t
+
+
+def comparable(got: torch.Tensor, ref: torch.Tensor, name: str, centred_patterns) -> tuple[torch.Tensor, torch.Tensor]:
+    """(got, ref) in float64, ready to compare: residual-stream outputs (names matching one of the
+    report's `centered_outputs` patterns) at full width with their per-token mean removed, since the
+    converted stream carries the original's centred value."""
+    import fnmatch
+
+    if any(fnmatch.fnmatchcase(name, p) for p in centred_patterns):
+        got, ref = full_width(got, ref), ref.double()
+        return got - got.mean(-1, keepdim=True), ref - ref.mean(-1, keepdim=True)
+    return got.double(), ref.double()
+
+
+def output_errors(got: dict, ref: dict, centred_patterns) -> dict[str, float]:
+    """Relative error of every output of `got` against `ref` (both from `run_flat`)."""
+    assert ref and set(got) == set(ref), set(got) ^ set(ref)
+    return {n: rel_err(*comparable(got[n], ref[n], n, centred_patterns)) for n in ref}

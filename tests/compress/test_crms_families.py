@@ -8,12 +8,12 @@ examples, checked against the *original* model's outputs:
 Configurations that cannot be compressed are refused with an UnsupportedConversionError (asserted).
 """
 
-import fnmatch
-
 import pytest
 import torch
 
 import normfold
+from helpers import comparable as _prep
+from helpers import output_errors as _errors
 from helpers import realistic, rel_err, run_flat
 from normfold.adapters import list_adapters
 from normfold.errors import UnsupportedConversionError
@@ -34,28 +34,6 @@ REFUSED = {
 
 def _id(case):
     return "-".join(getattr(c, "name", c) for c in case)
-
-
-def _full(t, r):
-    """A stream output of the compressed model, back at full width (independent of normfold.verify)."""
-    t = t.double()
-    if t.shape[-1] + 1 == r.shape[-1]:
-        t = torch.cat([t, -t.sum(-1, keepdim=True)], -1)
-    elif t.shape == r.shape and bool((t[..., -1] == 0).all()) and not bool((r[..., -1] == 0).all()):
-        t = torch.cat([t[..., :-1], -t[..., :-1].sum(-1, keepdim=True)], -1)
-    return t
-
-
-def _prep(t, r, name, patterns):
-    if any(fnmatch.fnmatchcase(name, p) for p in patterns):
-        t, r = _full(t, r), r.double()
-        return t - t.mean(-1, keepdim=True), r - r.mean(-1, keepdim=True)
-    return t.double(), r.double()
-
-
-def _errors(got, ref, patterns):
-    assert set(got) == set(ref)
-    return {n: rel_err(*_prep(got[n], ref[n], n, patterns)) for n in ref}
 
 
 def build(example, head, dtype):
