@@ -6,6 +6,8 @@ wrong fold go unnoticed; `perturb_norms` and `perturb_biases` make every affine 
 
 from __future__ import annotations
 
+import fnmatch
+
 import torch
 from torch import nn
 
@@ -92,13 +94,15 @@ def full_width(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def comparable(got: torch.Tensor, ref: torch.Tensor, name: str, centred_patterns) -> tuple[torch.Tensor, torch.Tensor]:
-    """(got, ref) in float64, ready to compare: residual-stream outputs (names matching one of the
-    report's `centered_outputs` patterns) at full width with their per-token mean removed, since the
-    converted stream carries the original's centred value."""
-    import fnmatch
+def is_stream_output(name: str, centred_patterns) -> bool:
+    """Whether output `name` is a residual-stream hidden state (matches a report's `centered_outputs`)."""
+    return any(fnmatch.fnmatchcase(name, p) for p in centred_patterns)
 
-    if any(fnmatch.fnmatchcase(name, p) for p in centred_patterns):
+
+def comparable(got: torch.Tensor, ref: torch.Tensor, name: str, centred_patterns) -> tuple[torch.Tensor, torch.Tensor]:
+    """(got, ref) in float64, ready to compare: residual-stream outputs at full width with their
+    per-token mean removed, since the converted stream carries the original's centred value."""
+    if is_stream_output(name, centred_patterns):
         got, ref = full_width(got, ref), ref.double()
         return got - got.mean(-1, keepdim=True), ref - ref.mean(-1, keepdim=True)
     return got.double(), ref.double()

@@ -26,8 +26,6 @@ CI runs the small derandomized "ci" profile; search deeper with
 
 from __future__ import annotations
 
-import fnmatch
-
 import pytest
 import torch
 
@@ -35,7 +33,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("hypothesis")
 
 from family_configs import Case, cases  # noqa: E402
-from helpers import comparable, output_errors, realistic, rel_err, run_flat  # noqa: E402
+from helpers import comparable, is_stream_output, output_errors, realistic, rel_err, run_flat  # noqa: E402
 from hypothesis import event, given, note, reject  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from torch import nn  # noqa: E402
@@ -144,11 +142,10 @@ def test_float64_conversion_exact_on_random_configs(family, data, target):
     assert max(errs.values()) <= 1e-9, errs
 
 
-@pytest.mark.parametrize("family", sorted(ADAPTERS))
-@given(data=st.data(), target=TARGETS)
-def test_float32_conversion_within_four_times_the_originals_own_error(family, data, target):
-    case = data.draw(cases(ADAPTERS[family]), label="case")
-    to, options = target
+def float32_errors(case: Case, to: str, options: dict):
+    """Convert the case's model in float32. Returns None when refused, else (report, spread,
+    {output: (converted error, original's own error)}), both errors against the float64 original.
+    Shared with scripts/float32_outlier_error.py."""
     model = build(case, torch.float64)
     spread = outlier_spread(model, case)
     inputs = inputs_for(case, model)
@@ -157,12 +154,24 @@ def test_float32_conversion_within_four_times_the_originals_own_error(family, da
     orig = run_flat(model, inputs)
     conv, report = convert_or_refused(model, to, options)
     if conv is None:
-        return
+        return None
     got = run_flat(conv, inputs)
-    for name in exact:
-        base = rel_err(*comparable(orig[name], exact[name], name, report.centered_outputs))
-        err = rel_err(*comparable(got[name], exact[name], name, report.centered_outputs))
-        stream = any(fnmatch.fnmatchcase(name, p) for p in report.centered_outputs)
+    pats = report.centered_outputs
+    return report, spread, {name: (rel_err(*comparable(got[name], exact[name], name, pats)),
+                                   rel_err(*comparable(orig[name], exact[name], name, pats))) for name in exact}
+
+
+@pytest.mark.parametrize("family", sorted(ADAPTERS))
+@given(data=st.data(), target=TARGETS)
+def test_float32_conversion_within_four_times_the_originals_own_error(family, data, target):
+    case = data.draw(cases(ADAPTERS[family]), label="case")
+    to, options = target
+    result = float32_errors(case, to, options)
+    if result is None:
+        return
+    report, spread, errors = result
+    for name, (err, base) in errors.items():
+        stream = is_stream_output(name, report.centered_outputs)
         allowed = 4 * base + (1024 if stream else 64) * F32_EPS * spread
         note(f"{name}: converted {err:.3g}, original {base:.3g}, allowed {allowed:.3g}")
         event(f"float32 ratio {'stream' if stream else 'output'} {'outliers' if spread > 1 else 'plain'}: "

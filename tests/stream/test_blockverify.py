@@ -105,16 +105,23 @@ def test_blockwise_agrees_with_in_memory(tmp_path, family, head):
     assert got["blockwise"]["failed_blocks"] == []
 
 
-def _perturb(directory, key: str, delta: float) -> None:
+def _rewrite(directory, key: str, edit) -> None:
+    """Replace tensor `key` of a saved checkpoint by `edit(tensor)`."""
     for f in directory.glob("*.safetensors"):
         state = load_file(str(f))
         if key in state:
-            t = state[key].clone()
-            t.view(-1)[3] += delta
-            state[key] = t
+            state[key] = edit(state[key].clone())
             save_file(state, str(f), metadata={"format": "pt"})
             return
     raise AssertionError(f"{key} not found")
+
+
+def _perturb(directory, key: str, delta: float) -> None:
+    def add(t):
+        t.view(-1)[3] += delta
+        return t
+
+    _rewrite(directory, key, add)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -147,12 +154,7 @@ def test_16bit_tolerance_passes_a_right_conversion_and_fails_a_wrong_one(tmp_pat
     assert good["fp64"]["max_rel_error"] < good["fp64"]["tolerance"] == stored_weights_tolerance(dtype)
     # a writer off by a factor (what a γ folded twice would do); tiny random blocks write little into
     # the stream, so smaller mistakes (one unfolded γ: 0.019, 2.4 ulp) hide in bfloat16 rounding
-    key = "transformer.h.0.mlp.c_proj.weight"
-    for f in sharded.glob("*.safetensors"):
-        state = load_file(str(f))
-        if key in state:
-            state[key] = state[key] * 3
-            save_file(state, str(f), metadata={"format": "pt"})
+    _rewrite(sharded, "transformer.h.0.mlp.c_proj.weight", lambda t: t * 3)
     bad = verify_blockwise(orig, sharded)
     assert not bad["fp64"]["passed"] and "transformer.h.0" in bad["blockwise"]["failed_blocks"], bad["fp64"]
 
