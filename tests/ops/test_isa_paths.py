@@ -109,3 +109,31 @@ def test_info_names_the_path():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert "isa" in ops.info()["cpu"]
+
+
+@pytest.mark.parametrize("n", [16, 33, 767, 1024, 4095])
+@pytest.mark.parametrize("compressed", [False, True])
+def test_bf16_fast_rounding_equals_the_nan_safe_kernel(isa, n, compressed):
+    # bf16 outputs take a rounding without the NaN fix-up (and, on avx2, the pair layout) unless a
+    # float32 weight or bias holds a NaN with low bits set: such a NaN would round to -0 or Inf
+    # there. Rows of ±1, ±2, ±0.5 have an exact Σx² in any summation order, so both kernels compute
+    # the same rstd and must agree bit for bit outside the NaN column; 40 rows take the pair
+    # layout's prepared-parameter path, 3 rows the plain one.
+    g = torch.Generator().manual_seed(n)
+    values = torch.tensor([1.0, -1.0, 2.0, -2.0, 0.5, -0.5])
+    for rows in (3, 40):
+        x = values[torch.randint(0, 6, (rows, n), generator=g)].bfloat16()
+        w, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
+        fast, _ = cpu.forward(x, w, b, 1e-5, compressed, False)
+        w_nan = w.clone()
+        w_nan.view(torch.int32)[n // 2] = 0x7FFFFFFF  # a NaN whose low 16 bits are set
+        safe, _ = cpu.forward(x, w_nan, b, 1e-5, compressed, False)
+        assert safe[:, n // 2].isnan().all(), isa
+        keep = torch.arange(n) != n // 2
+        assert torch.equal(fast[:, keep].view(torch.int16), safe[:, keep].view(torch.int16)), (isa, rows)
+        ref = reference.crms_norm(x.double(), w.double(), b.double()) if compressed else \
+            reference.rms_norm(x.double(), w.double(), b.double())
+        assert rel(fast, ref) <= TOL[torch.bfloat16]
+        s, y, _ = cpu.add_forward(x, x.flip(0), w, b, 1e-5, compressed, False)
+        assert torch.equal(s, x + x.flip(0))
+        assert torch.equal(y, cpu.forward(s, w, b, 1e-5, compressed, False)[0])

@@ -42,7 +42,7 @@ from torch import Tensor
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCE = _CSRC / "rmsnorm_cpu.c"
-_ABI_VERSION = 3
+_ABI_VERSION = 4
 _COMMON = ["-O3", "-shared", "-fPIC"]
 # Compiler flags of each ISA path (see csrc/nf_simd.h) and the path to try when its build fails.
 ISA_FLAGS = {

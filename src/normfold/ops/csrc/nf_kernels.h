@@ -1,6 +1,8 @@
 /* Row kernels of (C)RMSNorm for one storage dtype. Included once per dtype by rmsnorm_cpu.c with
  * NF_T (element type) and NF_S (suffix: f32, bf16, f16) defined; no include guard on purpose.
- * NF_USE_BF16DOT (bf16 only) takes the row statistics from nf_bf16dot.h.
+ * NF_USE_BF16DOT (bf16 only) takes the row statistics from nf_bf16dot.h; NF_USE_BF16PAIR (bf16q on
+ * the AVX2 path) takes statistics, the fused add and, given pair-layout parameters, the normalize
+ * pass from nf_bf16pair.h.
  *
  * Every row is read from memory once: the statistics pass brings it into L1, the second pass
  * (normalize, or the gradient) reads it from there. All arithmetic is float32; each output is
@@ -34,8 +36,15 @@
 #define HEAD(p, n) nf_head((p), (int64_t)sizeof(NF_T), NF_VB, (n))
 #if NF_USE_BF16DOT
 #define NF_BLK_STATS nf_bf16dot_stats
+#elif NF_USE_BF16PAIR
+#define NF_BLK_STATS nf_bf16pair_stats
 #else
 #define NF_BLK_STATS NF_FN(blk_stats)
+#endif
+#if NF_USE_BF16PAIR
+#define NF_BLK_ADD_STATS nf_bf16pair_add_stats
+#else
+#define NF_BLK_ADD_STATS NF_FN(blk_add_stats)
 #endif
 
 /* Σx² (and Σx when `with_sum`) of R rows, xs elements apart. */
@@ -139,7 +148,7 @@ static NF_INLINE void NF_FN(blk_apply)(const NF_T *x, int64_t xs, NF_T *y, int R
 
 /* One block of R rows starting at row r0 (see forward). */
 static NF_INLINE void NF_FN(fwd_block)(const NF_T *x, int64_t xs, const NF_T *res, int64_t rst, const float *w,
-                                       const float *b, NF_T *y, NF_T *s,
+                                       const float *b, const float *wp, const float *bp, NF_T *y, NF_T *s,
                                        float *rstd, int64_t r0, int R, int64_t n, float eps, float inv_d,
                                        int compressed) {
     float sq[NF_RB], sm[NF_RB], rs[NF_RB];
@@ -147,8 +156,8 @@ static NF_INLINE void NF_FN(fwd_block)(const NF_T *x, int64_t xs, const NF_T *re
     int64_t ss = xs;
     if (res) {
         NF_T *sr = s + r0 * n;
-        if (compressed) NF_FN(blk_add_stats)(src, xs, res + r0 * rst, rst, sr, R, n, 1, sq, sm);
-        else NF_FN(blk_add_stats)(src, xs, res + r0 * rst, rst, sr, R, n, 0, sq, sm);
+        if (compressed) NF_BLK_ADD_STATS(src, xs, res + r0 * rst, rst, sr, R, n, 1, sq, sm);
+        else NF_BLK_ADD_STATS(src, xs, res + r0 * rst, rst, sr, R, n, 0, sq, sm);
         src = sr;
         ss = n;
     } else if (compressed) {
@@ -164,15 +173,27 @@ static NF_INLINE void NF_FN(fwd_block)(const NF_T *x, int64_t xs, const NF_T *re
         if (rstd) rstd[r0 + i] = rs[i];
     }
     NF_T *yr = y + r0 * n;
+#if NF_USE_BF16PAIR
+    if ((!w || wp) && (!b || bp)) {
+        if (w && b) nf_bf16pair_apply(src, ss, yr, R, n, rs, wp, bp, w, b, 1, 1);
+        else if (w) nf_bf16pair_apply(src, ss, yr, R, n, rs, wp, bp, w, b, 1, 0);
+        else if (b) nf_bf16pair_apply(src, ss, yr, R, n, rs, wp, bp, w, b, 0, 1);
+        else nf_bf16pair_apply(src, ss, yr, R, n, rs, wp, bp, w, b, 0, 0);
+        return;
+    }
+#else
+    (void)wp;
+    (void)bp;
+#endif
     if (w && b) NF_FN(blk_apply)(src, ss, yr, R, n, rs, w, b, 1, 1);
     else if (w) NF_FN(blk_apply)(src, ss, yr, R, n, rs, w, b, 1, 0);
     else if (b) NF_FN(blk_apply)(src, ss, yr, R, n, rs, w, b, 0, 1);
     else NF_FN(blk_apply)(src, ss, yr, R, n, rs, w, b, 0, 0);
 }
 
-/* y = norm(x), or s = x + res and y = norm(s). */
+/* y = norm(x), or s = x + res and y = norm(s). wp / bp: w / b in pair layout, or 0 (NF_USE_BF16PAIR). */
 static void NF_FN(forward)(const NF_T *x, int64_t xs, const NF_T *res, int64_t rst, const float *w, const float *b,
-                           NF_T *y, NF_T *s, float *rstd, int64_t rows, int64_t n,
+                           const float *wp, const float *bp, NF_T *y, NF_T *s, float *rstd, int64_t rows, int64_t n,
                            float eps, int compressed, int nth) {
     const float inv_d = 1.0f / (float)(compressed ? n + 1 : n);
     const int rb = NF_FWD_BLOCK && (int64_t)sizeof(NF_T) * n * NF_RB <= NF_L1_BLOCK ? NF_RB : 1;
@@ -181,10 +202,10 @@ static void NF_FN(forward)(const NF_T *x, int64_t xs, const NF_T *res, int64_t r
     for (int64_t blk = 0; blk < blocks; blk++) {
         const int64_t r0 = blk * rb;
         if (rb == NF_RB && r0 + NF_RB <= rows) {
-            NF_FN(fwd_block)(x, xs, res, rst, w, b, y, s, rstd, r0, NF_RB, n, eps, inv_d, compressed);
+            NF_FN(fwd_block)(x, xs, res, rst, w, b, wp, bp, y, s, rstd, r0, NF_RB, n, eps, inv_d, compressed);
         } else {
             for (int64_t r = r0; r < rows && r < r0 + rb; r++)
-                NF_FN(fwd_block)(x, xs, res, rst, w, b, y, s, rstd, r, 1, n, eps, inv_d, compressed);
+                NF_FN(fwd_block)(x, xs, res, rst, w, b, wp, bp, y, s, rstd, r, 1, n, eps, inv_d, compressed);
         }
     }
 }
@@ -318,3 +339,4 @@ static void NF_FN(backward)(const NF_T *dy, const NF_T *ds, const NF_T *x, int64
 #undef NF_VB
 #undef HEAD
 #undef NF_BLK_STATS
+#undef NF_BLK_ADD_STATS

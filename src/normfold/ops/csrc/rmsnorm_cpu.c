@@ -28,7 +28,7 @@ static inline int nf_num_threads(void) { return 1; }
 #endif
 
 #define NF_INLINE inline __attribute__((always_inline))
-#define NF_ABI_VERSION 3
+#define NF_ABI_VERSION 4
 /* Below this many elements per thread a parallel region costs more than it saves (ATen's grain). */
 #define NF_GRAIN 32768
 /* Rows per block (see nf_kernels.h). */
@@ -39,6 +39,7 @@ static inline int nf_num_threads(void) { return 1; }
 #define NF_L1_BLOCK 16384
 
 #include "nf_bf16dot.h"
+#include "nf_bf16pair.h"
 
 enum { NF_F32 = 0, NF_BF16 = 1, NF_F16 = 2 };
 
@@ -51,6 +52,7 @@ static void nf_reduce_rows(float *rows, int k, int64_t n) {
 
 /* One instantiation per dtype: NF_FWD_BLOCK says whether forward blocks pay off (half types), and
  * NF_USE_BF16DOT takes bf16 statistics from nf_bf16dot.h. */
+#define NF_USE_BF16PAIR 0
 #define NF_T float
 #define NF_S f32
 #define NF_FWD_BLOCK 0
@@ -70,6 +72,22 @@ static void nf_reduce_rows(float *rows, int k, int64_t n) {
 #undef NF_S
 #undef NF_FWD_BLOCK
 #undef NF_USE_BF16DOT
+
+/* bf16 again with the NaN-blind rounding (nf_simd.h, bf16q), used when nf_bf16q_exact allows; on
+ * the AVX2 path it runs the pair layout of nf_bf16pair.h. */
+#define NF_T uint16_t
+#define NF_S bf16q
+#define NF_FWD_BLOCK 1
+#define NF_USE_BF16DOT NF_BF16DOT
+#undef NF_USE_BF16PAIR
+#define NF_USE_BF16PAIR NF_BF16PAIR
+#include "nf_kernels.h"
+#undef NF_T
+#undef NF_S
+#undef NF_FWD_BLOCK
+#undef NF_USE_BF16DOT
+#undef NF_USE_BF16PAIR
+#define NF_USE_BF16PAIR 0
 
 #if NF_HAVE_F16
 #define NF_T nf_f16
@@ -137,13 +155,28 @@ int nf_forward(int dtype, const void *x, int64_t xs, const void *res, int64_t rs
     const float *wf = nf_param_f32(w, wdt, n, &wo), *bf = nf_param_f32(b, bdt, n, &bo);
     if ((w && !wf) || (b && !bf)) { free(wo); free(bo); return -2; }
     const int nth = nf_threads_for(nthreads, rows, n);
+    float *pair = 0; /* w and b in pair layout (nf_bf16pair.h), when worth preparing */
     switch (dtype) {
-    case NF_F32: forward_f32(x, xs, res, rst, wf, bf, y, s, rstd, rows, n, eps, compressed, nth); break;
-    case NF_BF16: forward_bf16(x, xs, res, rst, wf, bf, y, s, rstd, rows, n, eps, compressed, nth); break;
+    case NF_F32: forward_f32(x, xs, res, rst, wf, bf, 0, 0, y, s, rstd, rows, n, eps, compressed, nth); break;
+    case NF_BF16:
+        if (!nf_bf16q_exact(wf, n) || !nf_bf16q_exact(bf, n)) {
+            forward_bf16(x, xs, res, rst, wf, bf, 0, 0, y, s, rstd, rows, n, eps, compressed, nth);
+            break;
+        }
+#if NF_BF16PAIR
+        if ((wf || bf) && rows >= NF_PAIR_MIN_ROWS && (pair = (float *)malloc((size_t)n * 2 * sizeof(float)))) {
+            if (wf) nf_pair_params(wf, n, pair);
+            if (bf) nf_pair_params(bf, n, pair + n);
+        }
+#endif
+        forward_bf16q(x, xs, res, rst, wf, bf, pair && wf ? pair : 0, pair && bf ? pair + n : 0, y, s, rstd, rows, n,
+                      eps, compressed, nth);
+        break;
 #if NF_HAVE_F16
-    case NF_F16: forward_f16(x, xs, res, rst, wf, bf, y, s, rstd, rows, n, eps, compressed, nth); break;
+    case NF_F16: forward_f16(x, xs, res, rst, wf, bf, 0, 0, y, s, rstd, rows, n, eps, compressed, nth); break;
 #endif
     }
+    free(pair);
     free(wo);
     free(bo);
     return 0;
@@ -170,7 +203,12 @@ int nf_backward(int dtype, const void *dy, const void *ds, const void *x, int64_
     const int rb = nf_backward_block_rows(rows, n, dtype == NF_F32 ? 4 : 2);
     switch (dtype) {
     case NF_F32: backward_f32(dy, ds, x, xs, wf, rstd, dx, dw_part, db_part, rows, n, compressed, nth, rb); break;
-    case NF_BF16: backward_bf16(dy, ds, x, xs, wf, rstd, dx, dw_part, db_part, rows, n, compressed, nth, rb); break;
+    case NF_BF16:
+        if (nf_bf16q_exact(wf, n))
+            backward_bf16q(dy, ds, x, xs, wf, rstd, dx, dw_part, db_part, rows, n, compressed, nth, rb);
+        else
+            backward_bf16(dy, ds, x, xs, wf, rstd, dx, dw_part, db_part, rows, n, compressed, nth, rb);
+        break;
 #if NF_HAVE_F16
     case NF_F16: backward_f16(dy, ds, x, xs, wf, rstd, dx, dw_part, db_part, rows, n, compressed, nth, rb); break;
 #endif
