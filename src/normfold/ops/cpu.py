@@ -382,19 +382,20 @@ def _empty(x: Tensor) -> Tensor:
     return torch.empty_like(x) if x.is_contiguous() else torch.empty(x.shape, dtype=x.dtype)
 
 
-def _launch_fwd(x: Tensor, residual: Tensor | None, weight, bias, eps: float, compressed: bool, want_rstd: bool):
+def _launch_fwd(x: Tensor, residual: Tensor | None, weight, bias, eps: float, compressed: bool, want_rstd: bool,
+                want_y: bool = True):
     lib = _lib or _require()
     n = x.shape[-1]
     x2, xs = _rows(x, n)
     rows = x.numel() // n
     r2, rst = _rows(residual, n) if residual is not None else (None, 0)
     (w, wdt), (b, bdt) = _param(weight, n, x, "weight"), _param(bias, n, x, "bias")
-    y = _empty(x)
+    y = _empty(x) if want_y else None
     s = _empty(x) if residual is not None else None
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32) if want_rstd else None
     rc = lib.nf_forward(DTYPE_CODES[x.dtype], x2.data_ptr(), xs, None if r2 is None else r2.data_ptr(), rst,
                         None if w is None else w.data_ptr(), wdt, None if b is None else b.data_ptr(), bdt,
-                        y.data_ptr(), None if s is None else s.data_ptr(),
+                        None if y is None else y.data_ptr(), None if s is None else s.data_ptr(),
                         None if rstd is None else rstd.data_ptr(), rows, n, float(eps), int(compressed),
                         torch.get_num_threads())
     if rc != 0:
@@ -407,6 +408,16 @@ def forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, c
     """Raw kernel call (no autograd). Returns (y, rstd or None); rstd is float32 with x.shape[:-1]."""
     _, y, rstd = _launch_fwd(x, None, weight, bias, eps, compressed, want_rstd)
     return y, rstd
+
+
+def row_scale(x: Tensor, residual: Tensor | None, eps: float, compressed: bool) -> tuple[Tensor | None, Tensor]:
+    """The per-row 1/rms of x (or of s = x + residual, also returned) without writing the normalized
+    tensor: one read of x (and residual, and one write of s). Returns (s or None, rstd float32)."""
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x "
+                         f"{tuple(x.shape)} {x.dtype}")
+    s, _, rstd = _launch_fwd(x, residual, None, None, eps, compressed, True, want_y=False)
+    return s, rstd
 
 
 def add_forward(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,

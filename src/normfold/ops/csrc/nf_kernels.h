@@ -172,6 +172,7 @@ static NF_INLINE void NF_FN(fwd_block)(const NF_T *x, int64_t xs, const NF_T *re
         if (!isfinite(sq[i] + sm[i])) rs[i] = NAN;
         if (rstd) rstd[r0 + i] = rs[i];
     }
+    if (!y) return; /* statistics only (nf_forward with y = 0) */
     NF_T *yr = y + r0 * n;
 #if NF_USE_BF16PAIR
     if ((!w || wp) && (!b || bp)) {

@@ -145,6 +145,7 @@ int nf_supports_dtype(int dtype) { return dtype == NF_F32 || dtype == NF_BF16 ||
 
 /* y = norm(x) or, with res, s = x + res and y = norm(s). x and res rows are xs / rst elements apart
  * (last dimension contiguous); y, s are contiguous. rstd (optional) gets 1/sqrt(ms + eps) per row.
+ * y = 0 computes only rstd (and s): the row scale of a norm folded into the next matrix multiply.
  * w / b are optional, of dtype wdt / bdt (float32 or the input dtype). Returns 0, or -1 for an
  * unsupported dtype, -2 when out of memory. */
 int nf_forward(int dtype, const void *x, int64_t xs, const void *res, int64_t rst, const void *w, int wdt,
@@ -159,7 +160,8 @@ int nf_forward(int dtype, const void *x, int64_t xs, const void *res, int64_t rs
     switch (dtype) {
     case NF_F32: forward_f32(x, xs, res, rst, wf, bf, 0, 0, y, s, rstd, rows, n, eps, compressed, nth); break;
     case NF_BF16:
-        if (!nf_bf16q_exact(wf, n) || !nf_bf16q_exact(bf, n)) {
+        /* parameters given in bf16 are bf16 data: only float32 ones need the check */
+        if ((wdt == NF_F32 && !nf_bf16q_exact(wf, n)) || (bdt == NF_F32 && !nf_bf16q_exact(bf, n))) {
             forward_bf16(x, xs, res, rst, wf, bf, 0, 0, y, s, rstd, rows, n, eps, compressed, nth);
             break;
         }
@@ -204,7 +206,7 @@ int nf_backward(int dtype, const void *dy, const void *ds, const void *x, int64_
     switch (dtype) {
     case NF_F32: backward_f32(dy, ds, x, xs, wf, rstd, dx, dw_part, db_part, rows, n, compressed, nth, rb); break;
     case NF_BF16:
-        if (nf_bf16q_exact(wf, n))
+        if (wdt != NF_F32 || nf_bf16q_exact(wf, n))
             backward_bf16q(dy, ds, x, xs, wf, rstd, dx, dw_part, db_part, rows, n, compressed, nth, rb);
         else
             backward_bf16(dy, ds, x, xs, wf, rstd, dx, dw_part, db_part, rows, n, compressed, nth, rb);
