@@ -17,6 +17,10 @@ suites:
           and with a naive F.rms_norm swap for comparison
   calls   per-call time of normfold.nn.RMSNorm (as a conversion builds it) and CRMSNorm vs
           nn.LayerNorm at decode sizes ((1, d), (16, d)), every dtype
+  epilogue
+          the norm folded into the next matrix multiply (normfold.nn.NormLinear: (x·Wᵀ)·s + b) vs
+          RMSNorm then F.linear vs F.linear alone, at GPT-2 small's QKV / MLP shapes, float32 and
+          bfloat16 (--compile adds both forms under torch.compile)
   e2e     paper 001 Table 3: ViT (Table 2 sizes) and GPT-3 Small/Medium with random weights, as
           Pre-LN, Pre-RMSNorm and Pre-CRMSNorm (converted by normfold, same function) and without
           norms (the floor); time normalized to Pre-LN and the share of the LN-to-no-norm gap
@@ -107,12 +111,7 @@ PLAIN_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _plain_dtypes(names):
-    if not names:
-        return None
-    bad = [n for n in names if n not in PLAIN_DTYPES]
-    if bad:
-        raise BenchOptionError(f"--dtypes: {', '.join(bad)} not one of {', '.join(PLAIN_DTYPES)} for this suite")
-    return tuple(names)
+    return _dtypes_of(names, PLAIN_DTYPES)
 
 
 def _calls(args):
@@ -120,6 +119,23 @@ def _calls(args):
 
     return calls.run(args.out, rounds=args.rounds or (5 if args.quick else 30), progress=not args.quiet,
                      dtypes=_plain_dtypes(args.dtypes), shapes=[(1, 768), (16, 768)] if args.quick else None)
+
+
+def _epilogue(args):
+    from ..bench import epilogue
+
+    return epilogue.run(args.out, rounds=args.rounds or (5 if args.quick else 30), progress=not args.quiet,
+                        dtypes=_dtypes_of(args.dtypes, epilogue.DTYPES), compile_=args.compile,
+                        shapes=epilogue.SHAPES[:2] if args.quick else None)
+
+
+def _dtypes_of(names, allowed):
+    if not names:
+        return None
+    bad = [n for n in names if n not in allowed]
+    if bad:
+        raise BenchOptionError(f"--dtypes: {', '.join(bad)} not one of {', '.join(allowed)} for this suite")
+    return tuple(names)
 
 
 def _e2e(args):
@@ -158,8 +174,8 @@ def _train_speed(args):
 
 
 # suite name -> runner(args) -> (rows, written paths)
-SUITES = {"ops": _ops, "calls": _calls, "model": _model, "e2e": _e2e, "convert": _convert, "un": _un,
-          "train": _train, "train-speed": _train_speed}
+SUITES = {"ops": _ops, "calls": _calls, "model": _model, "epilogue": _epilogue, "e2e": _e2e, "convert": _convert,
+          "un": _un, "train": _train, "train-speed": _train_speed}
 
 
 # The options each suite honours; any other option given a non-default value is refused (exit 2)
@@ -168,6 +184,7 @@ ACCEPTS = {
     "ops": {"quick", "rounds", "device", "dtypes", "eager"},
     "model": {"model", "quick", "rounds", "dtypes", "to"},
     "calls": {"quick", "rounds", "dtypes"},
+    "epilogue": {"quick", "rounds", "dtypes", "compile"},
     "e2e": {"quick", "rounds", "device", "compile", "models", "batches", "dtypes"},
     "convert": {"quick", "rounds"},
     "un": {"quick", "rounds", "batches"},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from .norm_linear import NormLinear
 from .norms import AddCRMSNorm, AddRMSNorm, CRMSNorm, Recenter, RMSNorm
 from .offline import METHODS, FixedAffine, FoldedNorm, Method, OfflineNorm, UnifiedNorm, padding, reset_steps
 
@@ -26,6 +27,6 @@ def norm_type(name: str) -> type[nn.Module]:
 for _cls in (OfflineNorm, UnifiedNorm, FixedAffine, FoldedNorm):
     register_norm_type(_cls)
 
-__all__ = ["RMSNorm", "CRMSNorm", "AddRMSNorm", "AddCRMSNorm", "Recenter", "NORM_TYPES", "register_norm_type",
+__all__ = ["RMSNorm", "CRMSNorm", "AddRMSNorm", "AddCRMSNorm", "Recenter", "NormLinear", "NORM_TYPES", "register_norm_type",
            "norm_type", "OfflineNorm", "UnifiedNorm", "Method", "METHODS", "FixedAffine", "FoldedNorm", "padding",
            "reset_steps"]

@@ -29,7 +29,8 @@ from .reference import layer_norm
 from .autograd import add_norm_with, norm_with
 from .registry import REFERENCE, Backend, backends, register_backend, select, unregister_backend
 
-__all__ = ["info", "layer_norm", "rms_norm", "crms_norm", "add_rms_norm", "add_crms_norm", "backend_for", "prepare",
+__all__ = ["info", "layer_norm", "rms_norm", "crms_norm", "add_rms_norm", "add_crms_norm", "row_scale", "backend_for",
+           "prepare",
            "register_backend", "unregister_backend", "backends", "Backend", "reload_environment", "reference"]
 
 # Backends, highest priority first where devices overlap. triton_kernels only claims CUDA tensors
@@ -145,3 +146,23 @@ def add_crms_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None, bia
                   eps: float = 1e-5) -> tuple[Tensor, Tensor]:
     """Fused residual add + CRMSNorm on the compressed (d−1)-wide stream: returns (s, crms_norm(s))."""
     return _add_norm(x, residual, weight, bias, eps, compressed=True)
+
+
+def row_scale(x: Tensor, residual: Tensor | None = None, eps: float = 1e-5,
+              compressed: bool = False) -> tuple[Tensor | None, Tensor]:
+    """The per-row scale of (C)RMSNorm, 1/sqrt(ms + eps) of shape x.shape[:-1] (float32, float64 for
+    float64 input), without the normalized tensor: for an affine-free norm,
+    Linear(norm(x)) = (x·Wᵀ)·scale + b (`normfold.nn.NormLinear`). With `residual`, s = x + residual
+    is formed first and returned too: (s or None, scale). One pass over x (the C kernel without its
+    normalize pass) where the kernel runs and no gradient is needed; the reference formula otherwise."""
+    grad = torch.is_grad_enabled() and (x.requires_grad or (residual is not None and residual.requires_grad))
+    same = residual is None or (residual.shape == x.shape and residual.dtype == x.dtype)
+    if not grad and same and x.is_cpu and x.dtype in cpu.DTYPE_CODES and x.numel() and not _compiling() \
+            and cpu.library() is not None:
+        return cpu.row_scale(x, residual, eps, compressed)
+    s = None if residual is None else x + residual
+    src = (x if s is None else s).to(reference._acc_dtype(x.dtype))
+    ms = src.pow(2).sum(-1)
+    if compressed:
+        ms = ms + src.sum(-1).pow(2)
+    return s, torch.rsqrt(ms / (src.shape[-1] + int(compressed)) + eps)
