@@ -16,7 +16,12 @@
 #define NF_BF16PAIR_H
 #if NF_AVX2
 #define NF_BF16PAIR 1
-#define NF_PAIR_MIN_ROWS 16
+/* Below this many rows preparing w and b costs more than the pair layout saves (one thread, µs,
+ * width 768 / 4096: 1 row 0.48 / 1.44 plain vs 0.52 / 1.70 pair, 2 rows even, 4 rows 0.77 / 3.11
+ * vs 0.71 / 2.90, 15 rows 1.94 / 9.60 vs 1.55 / 7.38). */
+#ifndef NF_PAIR_MIN_ROWS
+#define NF_PAIR_MIN_ROWS 4
+#endif
 
 static inline __m256 nf_pair_even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 static inline __m256 nf_pair_odd(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u))); }
