@@ -410,12 +410,17 @@ def forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, c
     return y, rstd
 
 
+def _check_residual(x: Tensor, residual: Tensor) -> None:
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x "
+                         f"{tuple(x.shape)} {x.dtype}")
+
+
 def row_scale(x: Tensor, residual: Tensor | None, eps: float, compressed: bool) -> tuple[Tensor | None, Tensor]:
     """The per-row 1/rms of x (or of s = x + residual, also returned) without writing the normalized
     tensor: one read of x (and residual, and one write of s). Returns (s or None, rstd float32)."""
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x "
-                         f"{tuple(x.shape)} {x.dtype}")
+    if residual is not None:
+        _check_residual(x, residual)
     s, _, rstd = _launch_fwd(x, residual, None, None, eps, compressed, True, want_y=False)
     return s, rstd
 
@@ -424,9 +429,7 @@ def add_forward(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor
                 compressed: bool, want_rstd: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     """Fused s = x + residual, y = norm(s) in one pass. Returns (s, y, rstd or None); s is rounded to
     x's dtype before it is normalized, exactly as the unfused `x + residual` would be."""
-    if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x "
-                         f"{tuple(x.shape)} {x.dtype}")
+    _check_residual(x, residual)
     return _launch_fwd(x, residual, weight, bias, eps, compressed, want_rstd)
 
 

@@ -27,11 +27,7 @@ static inline __m256 nf_pair_even(__m256i v) { return _mm256_castsi256_ps(_mm256
 static inline __m256 nf_pair_odd(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u))); }
 /* Round even and odd float32 registers to bf16 (RNE, bf16q) and interleave them back. */
 static inline __m256i nf_pair_narrow(__m256 e, __m256 o) {
-    const __m256i ue = _mm256_castps_si256(e), uo = _mm256_castps_si256(o), one = _mm256_set1_epi32(1),
-                  half = _mm256_set1_epi32(0x7fff);
-    const __m256i re = _mm256_add_epi32(ue, _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(ue, 16), one), half));
-    const __m256i ro = _mm256_add_epi32(uo, _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(uo, 16), one), half));
-    return _mm256_blend_epi16(_mm256_srli_epi32(re, 16), ro, 0xAA);
+    return _mm256_blend_epi16(nf_round_bf16(_mm256_castps_si256(e)), nf_round_bf16_hi(_mm256_castps_si256(o)), 0xAA);
 }
 
 /* p (n floats) in pair layout: each full block of 16 becomes its 8 even then its 8 odd entries; the

@@ -191,10 +191,12 @@ static inline void stn_f32(float *p, vf v, int64_t k) { _mm256_maskstore_ps(p, n
 static inline vf rt_f32(vf v) { return v; }
 
 static inline vf nf_widen_bf16(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
-static inline __m256i nf_round_bf16(__m256i u) {
+/* u + 0x7fff + lsb: the rounded bf16 in the upper half (nf_bf16pair.h keeps it there). */
+static inline __m256i nf_round_bf16_hi(__m256i u) {
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    return _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
 }
+static inline __m256i nf_round_bf16(__m256i u) { return _mm256_srli_epi32(nf_round_bf16_hi(u), 16); }
 static inline __m128i nf_pack_bf16(__m256i r) { return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)); }
 static inline __m128i nf_narrow_bf16q(vf v) { return nf_pack_bf16(nf_round_bf16(_mm256_castps_si256(v))); }
 static inline __m128i nf_narrow_bf16(vf v) {

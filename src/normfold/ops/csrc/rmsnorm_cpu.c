@@ -117,6 +117,10 @@ static const float *nf_param_f32(const void *p, int dtype, int64_t n, float **ow
     return out;
 }
 
+/* Whether bf16q may round products with this parameter (given as dtype `dt`, now float32 in p):
+ * parameters given in bf16 are bf16 data; only float32 ones need the scan (nf_simd.h, bf16q). */
+static int nf_bf16q_ok(const float *p, int dt, int64_t n) { return dt != NF_F32 || nf_bf16q_exact(p, n); }
+
 static int nf_threads_for(int requested, int64_t rows, int64_t n) {
     int64_t by_work = (rows * n) / NF_GRAIN;
     int64_t t = requested < by_work ? requested : by_work;
@@ -160,8 +164,7 @@ int nf_forward(int dtype, const void *x, int64_t xs, const void *res, int64_t rs
     switch (dtype) {
     case NF_F32: forward_f32(x, xs, res, rst, wf, bf, 0, 0, y, s, rstd, rows, n, eps, compressed, nth); break;
     case NF_BF16:
-        /* parameters given in bf16 are bf16 data: only float32 ones need the check */
-        if ((wdt == NF_F32 && !nf_bf16q_exact(wf, n)) || (bdt == NF_F32 && !nf_bf16q_exact(bf, n))) {
+        if (!nf_bf16q_ok(wf, wdt, n) || !nf_bf16q_ok(bf, bdt, n)) {
             forward_bf16(x, xs, res, rst, wf, bf, 0, 0, y, s, rstd, rows, n, eps, compressed, nth);
             break;
         }
@@ -206,7 +209,7 @@ int nf_backward(int dtype, const void *dy, const void *ds, const void *x, int64_
     switch (dtype) {
     case NF_F32: backward_f32(dy, ds, x, xs, wf, rstd, dx, dw_part, db_part, rows, n, compressed, nth, rb); break;
     case NF_BF16:
-        if (wdt != NF_F32 || nf_bf16q_exact(wf, n))
+        if (nf_bf16q_ok(wf, wdt, n))
             backward_bf16q(dy, ds, x, xs, wf, rstd, dx, dw_part, db_part, rows, n, compressed, nth, rb);
         else
             backward_bf16(dy, ds, x, xs, wf, rstd, dx, dw_part, db_part, rows, n, compressed, nth, rb);
