@@ -36,3 +36,4 @@ def test_epilogue_refuses_float16_and_foreign_options(capsys, tmp_path):
     assert "float16" in capsys.readouterr().err
     assert main(["bench", "epilogue", "--batches", "1", "-q", "--out", str(tmp_path)]) == 2
     assert "--batches" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # a refused run writes nothing
