@@ -102,6 +102,7 @@ def machine_info() -> dict:
         "python": platform.python_version(), "platform": platform.platform(),
         "normfold_cpu_kernel": cpu.status()["available"],
         "normfold_cpu_isa": cpu.status()["isa"],  # the kernel's ISA path (None: PyTorch fallback)
+        "normfold_cpu_call": cpu.status()["call"],  # pycall extension or ctypes (normfold/ops/pycall.py)
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)

@@ -225,7 +225,8 @@ def run(args) -> int:
         from ..ops import cpu
 
         st = cpu.status()
-        print(f"normfold CPU kernel: {st['isa'] + ' path' if st['available'] else 'unavailable (' + str(st['error']) + ')'}"
+        call = f", called via {st['call']}" + (f" ({st['call_note']})" if st["call_note"] else "")
+        print(f"normfold CPU kernel: {st['isa'] + ' path' + call if st['available'] else 'unavailable (' + str(st['error']) + ')'}"
               f" (this CPU: {st['cpu_isa']})", file=sys.stderr)
     try:
         rows, paths = SUITES[args.suite](args)

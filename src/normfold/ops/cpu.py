@@ -40,6 +40,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from . import pycall
+
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCE = _CSRC / "rmsnorm_cpu.c"
 _ABI_VERSION = 4
@@ -68,6 +70,8 @@ _isa_detected: str | None = None
 _isa_requested: str | None = None
 _isa_note: str | None = None
 _fast: list = [None, {}]  # [nf_forward_simple, {dtype: code}] of the loaded library (see fast_forward)
+# How the kernels are called: the pycall extension's functions when it loads, else ctypes' (pycall.py).
+_calls: dict = {"forward": None, "backward": None, "via": None, "note": None}
 
 
 def cache_dir() -> Path:
@@ -246,7 +250,7 @@ def _load() -> None:
                         raise OSError("kernel ABI version mismatch")
                     _dtypes = frozenset(dt for dt, code in DTYPE_CODES.items() if lib.nf_supports_dtype(code))
                     _lib, _lib_path, _tried = lib, str(target), True
-                    _fast[:] = [lib.nf_forward_simple, {dt: DTYPE_CODES[dt] for dt in _dtypes}]
+                    _bind_calls(lib, cc, ident.decode(errors="replace"))
                     if errors:
                         _build_error = "; ".join(errors)
                     break
@@ -265,6 +269,18 @@ def _load() -> None:
                       RuntimeWarning, stacklevel=3)
 
 
+def _bind_calls(lib: ctypes.CDLL, cc: str, compiler_id: str) -> None:
+    """Call the kernels through the pycall extension when it loads, else through ctypes."""
+    mod, why = pycall.load(cc, compiler_id, cache_dir())
+    if mod is not None:
+        fwd, simple, bwd = pycall.entry_points(mod, lib)
+        _calls.update(forward=fwd, backward=bwd, via="pycall", note=None)
+    else:
+        fwd, simple, bwd = lib.nf_forward, lib.nf_forward_simple, lib.nf_backward
+        _calls.update(forward=fwd, backward=bwd, via="ctypes", note=why)
+    _fast[:] = [simple, {dt: DTYPE_CODES[dt] for dt in _dtypes}]
+
+
 def _require() -> ctypes.CDLL:
     lib = library()
     if lib is None:
@@ -280,6 +296,7 @@ def reset() -> None:
         _lib, _tried, _build_error, _lib_path, _dtypes = None, False, None, None, frozenset()
         _isa_requested = _isa_note = None
         _fast[:] = [None, {}]
+        _calls.update(forward=None, backward=None, via=None, note=None)
 
 
 def status() -> dict:
@@ -288,7 +305,8 @@ def status() -> dict:
     return {"available": lib is not None, "disabled": _disabled, "error": _build_error,
             "isa": ISA_NAMES.get(lib.nf_isa()) if lib is not None else None,
             "cpu_isa": _isa_detected or detect_isa(), "requested_isa": _isa_requested, "isa_note": _isa_note,
-            "library": _lib_path, "cache": str(cache_dir())}
+            "library": _lib_path, "cache": str(cache_dir()),
+            "call": _calls["via"], "call_note": _calls["note"]}
 
 
 def supports(x: Tensor) -> bool:
@@ -384,7 +402,7 @@ def _empty(x: Tensor) -> Tensor:
 
 def _launch_fwd(x: Tensor, residual: Tensor | None, weight, bias, eps: float, compressed: bool, want_rstd: bool,
                 want_y: bool = True):
-    lib = _lib or _require()
+    _lib or _require()
     n = x.shape[-1]
     x2, xs = _rows(x, n)
     rows = x.numel() // n
@@ -393,11 +411,11 @@ def _launch_fwd(x: Tensor, residual: Tensor | None, weight, bias, eps: float, co
     y = _empty(x) if want_y else None
     s = _empty(x) if residual is not None else None
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32) if want_rstd else None
-    rc = lib.nf_forward(DTYPE_CODES[x.dtype], x2.data_ptr(), xs, None if r2 is None else r2.data_ptr(), rst,
-                        None if w is None else w.data_ptr(), wdt, None if b is None else b.data_ptr(), bdt,
-                        None if y is None else y.data_ptr(), None if s is None else s.data_ptr(),
-                        None if rstd is None else rstd.data_ptr(), rows, n, float(eps), int(compressed),
-                        torch.get_num_threads())
+    rc = _calls["forward"](DTYPE_CODES[x.dtype], x2.data_ptr(), xs, None if r2 is None else r2.data_ptr(), rst,
+                            None if w is None else w.data_ptr(), wdt, None if b is None else b.data_ptr(), bdt,
+                            None if y is None else y.data_ptr(), None if s is None else s.data_ptr(),
+                            None if rstd is None else rstd.data_ptr(), rows, n, float(eps), int(compressed),
+                            torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"normfold CPU kernel failed (code {rc}) for dtype {x.dtype}")
     return s, y, rstd
@@ -438,7 +456,7 @@ def backward(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, compres
     """Gradients of y = norm(x) given dy; `x` is the normalized input (the sum s for the fused
     variant, whose own gradient `ds` is then added to dx in the same pass). Returns
     (dx, dweight or None, dbias or None); dweight/dbias in float32."""
-    lib = _lib or _require()
+    _lib or _require()
     n = x.shape[-1]
     x2, xs = _rows(x, n)
     rows = x.numel() // n
@@ -451,10 +469,10 @@ def backward(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, compres
     # Per-thread float32 partial rows; the kernel sums them into row 0.
     dw_part = torch.empty(threads, n, dtype=torch.float32) if need_dw else None
     db_part = torch.empty(threads, n, dtype=torch.float32) if need_db else None
-    rc = lib.nf_backward(DTYPE_CODES[x.dtype], dy2.data_ptr(), None if ds2 is None else ds2.data_ptr(),
-                         x2.data_ptr(), xs, None if w is None else w.data_ptr(), wdt, rstd.data_ptr(),
-                         dx.data_ptr(), None if dw_part is None else dw_part.data_ptr(),
-                         None if db_part is None else db_part.data_ptr(), rows, n, int(compressed), threads)
+    rc = _calls["backward"](DTYPE_CODES[x.dtype], dy2.data_ptr(), None if ds2 is None else ds2.data_ptr(),
+                            x2.data_ptr(), xs, None if w is None else w.data_ptr(), wdt, rstd.data_ptr(),
+                            dx.data_ptr(), None if dw_part is None else dw_part.data_ptr(),
+                            None if db_part is None else db_part.data_ptr(), rows, n, int(compressed), threads)
     if rc != 0:
         raise RuntimeError(f"normfold CPU kernel failed (code {rc}) for dtype {x.dtype}")
     return dx, (dw_part[0] if need_dw else None), (db_part[0] if need_db else None)

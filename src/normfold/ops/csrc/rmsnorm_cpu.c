@@ -102,17 +102,27 @@ static void nf_reduce_rows(float *rows, int k, int64_t n) {
 #endif
 
 /* A weight or bias as float32: itself when it already is, else a converted copy (caller frees). */
+/* A bf16 / float16 weight or bias widened to float32, vector-wide (hardware conversion): it runs on
+ * every call of a half-precision model, where a scalar loop cost ~1 us per 4096 values, a norm's
+ * whole budget at decode sizes. */
 static const float *nf_param_f32(const void *p, int dtype, int64_t n, float **owned) {
     *owned = 0;
     if (!p || dtype == NF_F32) return (const float *)p;
     float *out = (float *)malloc((size_t)n * sizeof(float));
     if (!out) return 0;
-    for (int64_t j = 0; j < n; j++) {
-        if (dtype == NF_BF16) out[j] = nf_bf16_to_f32(((const uint16_t *)p)[j]);
-#if NF_HAVE_F16
-        else out[j] = nf_f16_to_f32(((const nf_f16 *)p)[j]);
-#endif
+    int64_t j = 0;
+    if (dtype == NF_BF16) {
+        const uint16_t *q = (const uint16_t *)p;
+        for (; j + NF_VW <= n; j += NF_VW) st_f32(out + j, ld_bf16(q + j));
+        if (j < n) stn_f32(out + j, ldn_bf16(q + j, n - j), n - j);
     }
+#if NF_HAVE_F16
+    else {
+        const nf_f16 *q = (const nf_f16 *)p;
+        for (; j + NF_VW <= n; j += NF_VW) st_f32(out + j, ld_f16(q + j));
+        if (j < n) stn_f32(out + j, ldn_f16(q + j, n - j), n - j);
+    }
+#endif
     *owned = out;
     return out;
 }
