@@ -43,6 +43,16 @@ class _AffineNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.normalized_shape, **factory)) if bias else None
         ops.prepare()  # load the fast kernels now: torch.compile cannot load them while tracing
 
+    def _affine(self) -> tuple[Tensor | None, Tensor | None]:
+        """(weight, bias) as `self.weight, self.bias` gives them, for less: nn.Module.__getattr__ costs
+        ~0.4 µs per parameter (torch 2.13, measured), a tenth of a decode-sized norm call, while
+        `_parameters` is the dict it reads them from. Anything not in it (None when folded away, a
+        parametrization's property) is looked up the ordinary way."""
+        p = self._parameters
+        w = p["weight"] if "weight" in p else self.weight
+        b = p["bias"] if "bias" in p else self.bias
+        return w, b
+
     def extra_repr(self) -> str:
         return (f"{self.normalized_shape[0]}, eps={self.eps}, weight={self.weight is not None}, "
                 f"bias={self.bias is not None}")
@@ -67,7 +77,7 @@ class RMSNorm(_AffineNorm):
     zero_mean_input = False
 
     def forward(self, x: Tensor) -> Tensor:
-        w, b = self.weight, self.bias
+        w, b = self._affine()
         if _cpu_fast_path[0] and x.is_cpu and _no_grad_needed(x, w, b) and not torch.compiler.is_compiling():
             if self.zero_mean_input and x.dtype in _LN_DTYPES and (
                     x.numel() <= LN_ROUTE_MAX_NUMEL or _cpu.library() is None):
@@ -106,7 +116,7 @@ class CRMSNorm(_AffineNorm):
     """
 
     def forward(self, x: Tensor) -> Tensor:
-        w, b = self.weight, self.bias
+        w, b = self._affine()
         if _cpu_fast_path[0] and x.is_cpu and _no_grad_needed(x, w, b) and not torch.compiler.is_compiling():
             y = _cpu.fast_forward(x, w, b, self.eps, True)
             if y is not None:
@@ -123,14 +133,16 @@ class AddRMSNorm(_AffineNorm):
     """
 
     def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
-        return ops.add_rms_norm(x, residual, self.weight, self.bias, self.eps)
+        w, b = self._affine()
+        return ops.add_rms_norm(x, residual, w, b, self.eps)
 
 
 class AddCRMSNorm(_AffineNorm):
     """Residual add fused with CRMSNorm on the compressed (d−1)-wide stream: returns (s, CRMSNorm(s))."""
 
     def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
-        return ops.add_crms_norm(x, residual, self.weight, self.bias, self.eps)
+        w, b = self._affine()
+        return ops.add_crms_norm(x, residual, w, b, self.eps)
 
 
 class Recenter(nn.Module):
