@@ -137,3 +137,28 @@ def test_bf16_fast_rounding_equals_the_nan_safe_kernel(isa, n, compressed):
         s, y, _ = cpu.add_forward(x, x.flip(0), w, b, 1e-5, compressed, False)
         assert torch.equal(s, x + x.flip(0))
         assert torch.equal(y, cpu.forward(s, w, b, 1e-5, compressed, False)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_every_row_head_and_tail_length(isa, dtype):
+    """Widths 1..40 at every start offset in a vector: every partial head and tail length the masked
+    loads and stores handle (nf_ld16n / nf_st16n on avx2), against float64, with sentinels either
+    side of the output (and of the residual sum) that must survive."""
+    lib = cpu.library()
+    code = cpu.DTYPE_CODES[dtype]
+    sentinel = torch.tensor(-1234.0).to(dtype)
+    for n in list(range(1, 41)) + [383, 767]:
+        rows = 3
+        for off in range(8):
+            xbuf, rbuf = torch.randn(off + rows * n + 8).to(dtype), torch.randn(off + rows * n + 8).to(dtype)
+            x, r = xbuf[off:off + rows * n].view(rows, n), rbuf[off:off + rows * n].view(rows, n)
+            w = (1 + 0.5 * torch.randn(n)).to(dtype)
+            ybuf, sbuf = torch.full((off + rows * n + 8,), -1234.0).to(dtype), torch.full((off + rows * n + 8,), -1234.0).to(dtype)
+            y, s = ybuf[off:off + rows * n], sbuf[off:off + rows * n]
+            assert lib.nf_forward(code, x.data_ptr(), n, r.data_ptr(), n, w.data_ptr(), code, None, 0, y.data_ptr(),
+                                  s.data_ptr(), None, rows, n, 1e-5, 0, 1) == 0
+            for buf in (ybuf, sbuf):
+                assert (buf[:off] == sentinel).all() and (buf[off + rows * n:] == sentinel).all(), (n, off)
+            assert torch.equal(s.view(rows, n), x + r), (n, off)
+            ref = reference.rms_norm(s.view(rows, n).double(), w.double())
+            assert rel(y.view(rows, n), ref) <= TOL[dtype], (n, off)

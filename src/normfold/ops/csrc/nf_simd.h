@@ -172,16 +172,26 @@ static inline float vf_sum(vf a) {
 /* Lane masks for k < 8 leading lanes: a window into a table of 8 ones and 8 zeros. */
 static const int32_t nf_mask_tab[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
 static inline __m256i nf_mask(int64_t k) { return _mm256_loadu_si256((const __m256i *)(nf_mask_tab + 8 - k)); }
-/* k < 8 16-bit values (heads and tails of rows only): through a zeroed register-sized buffer. */
+/* k < 8 16-bit values (heads and tails of rows only): the k/2 whole dwords by masked load/store,
+ * the odd last value on its own. A bounce through a stack buffer, as before, stalled on store
+ * forwarding: +35 ns per row at odd widths (bf16 128x383: 12.4 us against 7.2 at 384). Masked-off
+ * lanes are never touched, so nothing past p[k-1] is read or written. */
+static const int16_t nf_lane16_tab[16] = {0, 0, 0, 0, 0, 0, 0, 0, -1, 0, 0, 0, 0, 0, 0, 0};
+static inline __m128i nf_mask4(int64_t k) { return _mm_loadu_si128((const __m128i *)(nf_mask_tab + 8 - k)); }
 static inline __m128i nf_ld16n(const uint16_t *p, int64_t k) {
-    uint16_t b[8] = {0};
-    for (int64_t i = 0; i < k; i++) b[i] = p[i];
-    return _mm_loadu_si128((const __m128i *)b);
+    __m128i v = _mm_maskload_epi32((const int *)p, nf_mask4(k >> 1));
+    if (k & 1) /* lane k-1 from a broadcast of p[k-1] */
+        v = _mm_blendv_epi8(v, _mm_set1_epi16((short)p[k - 1]),
+                            _mm_loadu_si128((const __m128i *)(nf_lane16_tab + 9 - k)));
+    return v;
 }
 static inline void nf_st16n(uint16_t *p, __m128i h, int64_t k) {
-    uint16_t b[8];
-    _mm_storeu_si128((__m128i *)b, h);
-    for (int64_t i = 0; i < k; i++) p[i] = b[i];
+    _mm_maskstore_epi32((int *)p, nf_mask4(k >> 1), h);
+    if (k & 1) {
+        uint16_t b[8];
+        _mm_storeu_si128((__m128i *)b, h);
+        p[k - 1] = b[k - 1];
+    }
 }
 
 static inline vf ld_f32(const float *p) { return _mm256_loadu_ps(p); }
