@@ -13,15 +13,6 @@ from normfold.ops import cpu, reference
 
 
 @pytest.fixture
-def fresh_library(monkeypatch):
-    """Let a test change the environment and rebuild/reload the library; restored afterwards."""
-    ops.reload_environment()
-    yield
-    monkeypatch.undo()
-    ops.reload_environment()
-
-
-@pytest.fixture
 def empty_cache(monkeypatch, tmp_path, fresh_library):
     """No cached library and the kernel enabled, whatever the outer environment says."""
     monkeypatch.setenv("NORMFOLD_CACHE", str(tmp_path))

@@ -17,14 +17,6 @@ from normfold.ops import cpu, pycall
 pytestmark = needs_kernel
 
 
-@pytest.fixture
-def fresh_library(monkeypatch):
-    ops.reload_environment()
-    yield
-    monkeypatch.undo()
-    ops.reload_environment()
-
-
 def _ptr(t):
     return None if t is None else t.data_ptr()
 
