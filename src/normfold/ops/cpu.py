@@ -32,7 +32,6 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -41,6 +40,7 @@ import torch
 from torch import Tensor
 
 from . import pycall
+from ._build import compile_to
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCE = _CSRC / "rmsnorm_cpu.c"
@@ -177,17 +177,7 @@ def _sources() -> bytes:
 
 
 def _build(cc: str, flags: list[str], target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build to a temp name, then rename: concurrent processes never see a half-written library.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run([cc, *flags, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
-                       text=True, timeout=300)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    compile_to([cc, *flags, str(_SOURCE), "-lm"], target, timeout=300)
 
 
 def _declare(lib: ctypes.CDLL) -> None:

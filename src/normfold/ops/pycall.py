@@ -19,10 +19,11 @@ import os
 import subprocess
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
 from types import ModuleType
 from typing import Callable
+
+from ._build import compile_to
 
 _SOURCE = Path(__file__).with_name("csrc") / "nf_pycall.c"
 _MODULE = "_nf_pycall"  # must match PyInit__nf_pycall in the source
@@ -38,16 +39,7 @@ def _include_dir() -> str:
 
 
 def _build(cc: str, include: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # then rename: never half-written
-    os.close(fd)
-    try:
-        subprocess.run([cc, *_FLAGS, f"-I{include}", str(_SOURCE), "-o", tmp], check=True, capture_output=True,
-                       text=True, timeout=120)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    compile_to([cc, *_FLAGS, f"-I{include}", str(_SOURCE)], target, timeout=120)
 
 
 def _import(path: Path) -> ModuleType:
