@@ -162,3 +162,27 @@ def test_every_row_head_and_tail_length(isa, dtype):
             assert torch.equal(s.view(rows, n), x + r), (n, off)
             ref = reference.rms_norm(s.view(rows, n).double(), w.double())
             assert rel(y.view(rows, n), ref) <= TOL[dtype], (n, off)
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_wide_float32_backward_with_streaming_stores(isa, compressed):
+    """One thread, float32 rows of 2048+ values: dx goes out by streaming stores (nf_backward_streams),
+    aligned rows (2048) and rows whose alignment changes within a block (2049, 4095). Against float64,
+    the same dx bits as three threads (ordinary stores; only dweight's summation order differs), and
+    sentinels either side of dx that must survive."""
+    lib = cpu.library()
+    code = cpu.DTYPE_CODES[torch.float32]
+    for n in (2048, 2049, 4095):
+        check_backward(compressed, torch.float32, (9, n), "weight")
+        rows, off = 9, 3
+        x, dy, w = torch.randn(rows, n), torch.randn(rows, n), 1 + 0.5 * torch.randn(n)
+        _, rstd = cpu.forward(x, w, None, 1e-5, compressed, want_rstd=True)
+        outs = []
+        for threads in (1, 3):
+            buf = torch.full((off + rows * n + 16,), -1234.0)
+            dx, dw = buf[off:off + rows * n], torch.empty(threads, n)
+            assert lib.nf_backward(code, dy.data_ptr(), None, x.data_ptr(), n, w.data_ptr(), code, rstd.data_ptr(),
+                                   dx.data_ptr(), dw.data_ptr(), None, rows, n, int(compressed), threads) == 0
+            assert (buf[:off] == -1234.0).all() and (buf[off + rows * n:] == -1234.0).all(), (n, threads)
+            outs.append(dx.clone())
+        assert torch.equal(outs[0], outs[1]), n

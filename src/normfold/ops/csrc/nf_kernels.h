@@ -31,6 +31,11 @@
 #define LDN NF_CAT(ldn, NF_S)
 #define ST NF_CAT(st, NF_S)
 #define STN NF_CAT(stn, NF_S)
+#if NF_HAVE_STREAM
+#define STS NF_CAT(sts, NF_S)
+#else
+#define STS ST
+#endif
 #define RT NF_CAT(rt, NF_S)
 #define NF_VB ((int64_t)(NF_VW * sizeof(NF_T))) /* bytes of one vector of this dtype */
 #define HEAD(p, n) nf_head((p), (int64_t)sizeof(NF_T), NF_VB, (n))
@@ -216,7 +221,7 @@ static void NF_FN(forward)(const NF_T *x, int64_t xs, const NF_T *res, int64_t r
 static NF_INLINE void NF_FN(bwd_cols)(const NF_T *dy, const NF_T *ds, const NF_T *x, int64_t xs, const float *w,
                                       const vf *vr, const vf *vk, const vf *vsh, int compressed, NF_T *dx,
                                       float *dwt, float *dbt, int R, int64_t n, int hw, int64_t j, int64_t k,
-                                      int full) {
+                                      int full, int nt) {
     vf wv = hw ? (full ? ld_f32(w + j) : ldn_f32(w + j, k)) : vf_zero();
     vf dwa = vf_zero(), dba = vf_zero();
     for (int i = 0; i < R; i++) {
@@ -225,7 +230,10 @@ static NF_INLINE void NF_FN(bwd_cols)(const NF_T *dy, const NF_T *ds, const NF_T
         vf g = hw ? vf_mul(d, wv) : d;
         vf o = vf_fnma(vk[i], compressed ? vf_add(xv, vsh[i]) : xv, vf_mul(vr[i], g));
         if (ds) o = vf_add(o, full ? LD(ds + i * n + j) : LDN(ds + i * n + j, k));
-        if (full) ST(dx + i * n + j, o); else STN(dx + i * n + j, o, k);
+        NF_T *p = dx + i * n + j;
+        if (!full) STN(p, o, k);
+        else if (nt && !((uintptr_t)p & (NF_VB - 1))) STS(p, o); /* streaming stores need alignment */
+        else ST(p, o);
         if (dwt) dwa = vf_fma(vf_mul(d, xv), vr[i], dwa);
         if (dbt) dba = vf_add(dba, d);
     }
@@ -243,10 +251,11 @@ static NF_INLINE void NF_FN(bwd_cols)(const NF_T *dy, const NF_T *ds, const NF_T
  *   RMSNorm:  dx = r·g − r³·c/d · x
  *   CRMSNorm: dx = r·g − r³·c/d · (x + Σx)        (paper 001 eq. 5, d = n + 1)
  * plus ds (the gradient reaching the sum output of the fused add). dw += dy·x·r, db += dy into this
- * thread's float32 rows. dy, ds, dx rows are n apart, x rows xs apart. `hw` is a literal. */
+ * thread's float32 rows. dy, ds, dx rows are n apart, x rows xs apart. `hw` and `nt` (streaming
+ * stores for dx) are literals. */
 static NF_INLINE void NF_FN(blk_backward)(const NF_T *dy, const NF_T *ds, const NF_T *x, int64_t xs, const float *w,
                                           const float *rstd, float inv_d, int compressed, NF_T *dx, float *dwt,
-                                          float *dbt, int R, int64_t n, int hw) {
+                                          float *dbt, int R, int64_t n, int hw, int nt) {
     vf c0[NF_RB], m0[NF_RB];
     for (int i = 0; i < R; i++) { /* row by row: c = Σ g·x (and Σx for CRMSNorm) */
         vf c1 = vf_zero(), m1 = vf_zero();
@@ -285,24 +294,29 @@ static NF_INLINE void NF_FN(blk_backward)(const NF_T *dy, const NF_T *ds, const 
     }
     const int64_t head = HEAD(dx, n); /* aligns the stores of the block's first row */
     int64_t j = 0;
-    if (head) NF_FN(bwd_cols)(dy, ds, x, xs, w, vr, vk, vsh, compressed, dx, dwt, dbt, R, n, hw, 0, head, 0);
+    if (head) NF_FN(bwd_cols)(dy, ds, x, xs, w, vr, vk, vsh, compressed, dx, dwt, dbt, R, n, hw, 0, head, 0, 0);
     for (j = head; j + NF_VW <= n; j += NF_VW)
-        NF_FN(bwd_cols)(dy, ds, x, xs, w, vr, vk, vsh, compressed, dx, dwt, dbt, R, n, hw, j, NF_VW, 1);
-    if (j < n) NF_FN(bwd_cols)(dy, ds, x, xs, w, vr, vk, vsh, compressed, dx, dwt, dbt, R, n, hw, j, n - j, 0);
+        NF_FN(bwd_cols)(dy, ds, x, xs, w, vr, vk, vsh, compressed, dx, dwt, dbt, R, n, hw, j, NF_VW, 1, nt);
+    if (j < n) NF_FN(bwd_cols)(dy, ds, x, xs, w, vr, vk, vsh, compressed, dx, dwt, dbt, R, n, hw, j, n - j, 0, 0);
 }
 
 static NF_INLINE void NF_FN(bwd_block)(const NF_T *dy, const NF_T *ds, const NF_T *x, int64_t xs, const float *w,
                                        const float *rstd, float inv_d, int compressed, NF_T *dx, float *dwt,
-                                       float *dbt, int64_t r0, int R, int64_t n) {
+                                       float *dbt, int64_t r0, int R, int64_t n, int nt) {
     const NF_T *dsr = ds ? ds + r0 * n : 0;
-    if (w) NF_FN(blk_backward)(dy + r0 * n, dsr, x + r0 * xs, xs, w, rstd + r0, inv_d, compressed, dx + r0 * n, dwt, dbt, R, n, 1);
-    else NF_FN(blk_backward)(dy + r0 * n, dsr, x + r0 * xs, xs, w, rstd + r0, inv_d, compressed, dx + r0 * n, dwt, dbt, R, n, 0);
+#define NF_BWD(hw, nt) NF_FN(blk_backward)(dy + r0 * n, dsr, x + r0 * xs, xs, w, rstd + r0, inv_d, compressed, \
+                                         dx + r0 * n, dwt, dbt, R, n, hw, nt)
+    /* hw and nt as literals: each combination gets its own loop (a runtime nt cost 2-10%) */
+    if (nt) { if (w) NF_BWD(1, 1); else NF_BWD(0, 1); }
+    else { if (w) NF_BWD(1, 0); else NF_BWD(0, 0); }
+#undef NF_BWD
 }
 
-/* rb: rows per block, NF_RB or 1 (chosen by nf_backward_block_rows). */
+/* rb: rows per block, NF_RB or 1 (chosen by nf_backward_block_rows); nt: store dx with streaming
+ * stores (nf_backward_streams). */
 static void NF_FN(backward)(const NF_T *dy, const NF_T *ds, const NF_T *x, int64_t xs, const float *w,
                             const float *rstd, NF_T *dx, float *dw_part, float *db_part, int64_t rows, int64_t n,
-                            int compressed, int nth, int rb) {
+                            int compressed, int nth, int rb, int nt) {
     const float inv_d = 1.0f / (float)(compressed ? n + 1 : n);
     const int64_t blocks = (rows + rb - 1) / rb;
     int team = 1; /* the team OpenMP really gave us (may be smaller than nth) */
@@ -314,16 +328,17 @@ static void NF_FN(backward)(const NF_T *dy, const NF_T *ds, const NF_T *x, int64
         float *dbt = db_part ? db_part + (int64_t)tid * n : 0;
         if (dwt) memset(dwt, 0, (size_t)n * sizeof(float));
         if (dbt) memset(dbt, 0, (size_t)n * sizeof(float));
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
         for (int64_t blk = 0; blk < blocks; blk++) {
             const int64_t r0 = blk * rb;
             if (rb == NF_RB && r0 + NF_RB <= rows) {
-                NF_FN(bwd_block)(dy, ds, x, xs, w, rstd, inv_d, compressed, dx, dwt, dbt, r0, NF_RB, n);
+                NF_FN(bwd_block)(dy, ds, x, xs, w, rstd, inv_d, compressed, dx, dwt, dbt, r0, NF_RB, n, nt);
             } else {
                 for (int64_t r = r0; r < rows && r < r0 + rb; r++)
-                    NF_FN(bwd_block)(dy, ds, x, xs, w, rstd, inv_d, compressed, dx, dwt, dbt, r, 1, n);
+                    NF_FN(bwd_block)(dy, ds, x, xs, w, rstd, inv_d, compressed, dx, dwt, dbt, r, 1, n, nt);
             }
         }
+        if (nt) nf_stream_fence(); /* before the region's closing barrier */
     }
     nf_reduce_rows(dw_part, team, n);
     nf_reduce_rows(db_part, team, n);
@@ -336,6 +351,7 @@ static void NF_FN(backward)(const NF_T *dy, const NF_T *ds, const NF_T *x, int64
 #undef LDN
 #undef ST
 #undef STN
+#undef STS
 #undef RT
 #undef NF_VB
 #undef HEAD

@@ -149,7 +149,13 @@ static inline void st_f16(nf_f16 *p, vf v) { _mm256_storeu_si256((__m256i *)p, _
 static inline void stn_f16(nf_f16 *p, vf v, int64_t k) { _mm256_mask_storeu_epi16(p, nf_mask(k), _mm512_cvtps_ph(v, NF_F16_ROUND)); }
 static inline vf rt_f16(vf v) { return _mm512_cvtph_ps(_mm512_cvtps_ph(v, NF_F16_ROUND)); }
 static inline float nf_f16_to_f32(nf_f16 h) { return _cvtsh_ss(h); }
+static inline void sts_f16(nf_f16 *p, vf v) { _mm256_stream_si256((__m256i *)p, _mm512_cvtps_ph(v, NF_F16_ROUND)); }
 #endif
+/* Streaming (non-temporal) stores of one full vector to a vector-aligned address (NF_VB bytes). */
+#define NF_HAVE_STREAM 1
+static inline void sts_f32(float *p, vf v) { _mm512_stream_ps(p, v); }
+static inline void sts_bf16(uint16_t *p, vf v) { _mm256_stream_si256((__m256i *)p, nf_narrow_bf16(v)); }
+static inline void sts_bf16q(uint16_t *p, vf v) { _mm256_stream_si256((__m256i *)p, nf_narrow_bf16q(v)); }
 
 #elif NF_AVX2
 /* ================================ AVX2 + FMA + F16C ================================ */
@@ -230,6 +236,11 @@ static inline void st_f16(nf_f16 *p, vf v) { _mm_storeu_si128((__m128i *)p, _mm2
 static inline void stn_f16(nf_f16 *p, vf v, int64_t k) { nf_st16n(p, _mm256_cvtps_ph(v, NF_F16_ROUND), k); }
 static inline vf rt_f16(vf v) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, NF_F16_ROUND)); }
 static inline float nf_f16_to_f32(nf_f16 h) { return _cvtsh_ss(h); }
+#define NF_HAVE_STREAM 1
+static inline void sts_f32(float *p, vf v) { _mm256_stream_ps(p, v); }
+static inline void sts_bf16(uint16_t *p, vf v) { _mm_stream_si128((__m128i *)p, nf_narrow_bf16(v)); }
+static inline void sts_bf16q(uint16_t *p, vf v) { _mm_stream_si128((__m128i *)p, nf_narrow_bf16q(v)); }
+static inline void sts_f16(nf_f16 *p, vf v) { _mm_stream_si128((__m128i *)p, _mm256_cvtps_ph(v, NF_F16_ROUND)); }
 
 #elif NF_NEON
 /* ================================ NEON (aarch64) ================================ */
@@ -371,6 +382,16 @@ static inline float nf_f16_to_f32(nf_f16 h) { return (float)h; }
 #endif
 
 #endif /* ISA */
+
+#ifndef NF_HAVE_STREAM
+#define NF_HAVE_STREAM 0 /* NEON and portable code: plain stores (nf_kernels.h) */
+#endif
+/* Orders this thread's streaming stores before what follows (OpenMP's barrier does not). */
+static inline void nf_stream_fence(void) {
+#if NF_HAVE_STREAM
+    _mm_sfence();
+#endif
+}
 
 /* bf16q: bfloat16 stored with nf_narrow_bf16q, round-to-nearest-even without the NaN fix-up (15-28%
  * of a bf16 forward on the AVX2 path). It is exact for every finite and infinite value, and for

@@ -148,6 +148,19 @@ static int nf_backward_block_rows(int64_t rows, int64_t n, int64_t elem) {
     return (n * elem >= 8192 || 3 * rows * n * elem <= NF_BWD_CACHED_BYTES) ? NF_RB : 1;
 }
 
+/* The float32 blocked backward of wide rows writes NF_RB dx rows at once, and their
+ * read-for-ownership traffic shows. Streaming stores skip it. Measured on the Zen 5 EPYC (interleaved
+ * A/B of the kernel alone), AVX-512: one thread 0.70-0.93x the time from 64x4096 to 2048x2048; two
+ * threads 0.76-0.88x with 48 MiB of dy, x and dx (beyond the 32 MiB L3), 0.98-1.02x at 24 MiB and
+ * less; the AVX2 path alike (one thread 0.79-1.04x, two 0.87-0.88x at 48 MiB). bfloat16 / float16
+ * rows (half the bytes per vector, conversion work per element) ran 0.91-1.17x with them, so they
+ * keep ordinary stores, as do narrow rows (one row at a time). */
+#define NF_BWD_STREAM_BYTES ((int64_t)40 << 20)
+
+static int nf_backward_streams(int64_t rows, int64_t n, int64_t elem, int nth) {
+    return NF_HAVE_STREAM && elem == 4 && n * elem >= 8192 && (nth == 1 || 3 * rows * n * elem > NF_BWD_STREAM_BYTES);
+}
+
 /* ---- exported entry points (ctypes) ---- */
 
 int nf_abi_version(void) { return NF_ABI_VERSION; }
@@ -215,17 +228,18 @@ int nf_backward(int dtype, const void *dy, const void *ds, const void *x, int64_
     const float *wf = nf_param_f32(w, wdt, n, &wo);
     if (w && !wf) return -2;
     const int nth = nf_threads_for(nthreads, rows, n);
-    const int rb = nf_backward_block_rows(rows, n, dtype == NF_F32 ? 4 : 2);
+    const int64_t elem = dtype == NF_F32 ? 4 : 2;
+    const int rb = nf_backward_block_rows(rows, n, elem), nt = nf_backward_streams(rows, n, elem, nth);
     switch (dtype) {
-    case NF_F32: backward_f32(dy, ds, x, xs, wf, rstd, dx, dw_part, db_part, rows, n, compressed, nth, rb); break;
+    case NF_F32: backward_f32(dy, ds, x, xs, wf, rstd, dx, dw_part, db_part, rows, n, compressed, nth, rb, nt); break;
     case NF_BF16:
         if (nf_bf16q_ok(wf, wdt, n))
-            backward_bf16q(dy, ds, x, xs, wf, rstd, dx, dw_part, db_part, rows, n, compressed, nth, rb);
+            backward_bf16q(dy, ds, x, xs, wf, rstd, dx, dw_part, db_part, rows, n, compressed, nth, rb, nt);
         else
-            backward_bf16(dy, ds, x, xs, wf, rstd, dx, dw_part, db_part, rows, n, compressed, nth, rb);
+            backward_bf16(dy, ds, x, xs, wf, rstd, dx, dw_part, db_part, rows, n, compressed, nth, rb, nt);
         break;
 #if NF_HAVE_F16
-    case NF_F16: backward_f16(dy, ds, x, xs, wf, rstd, dx, dw_part, db_part, rows, n, compressed, nth, rb); break;
+    case NF_F16: backward_f16(dy, ds, x, xs, wf, rstd, dx, dw_part, db_part, rows, n, compressed, nth, rb, nt); break;
 #endif
     }
     free(wo);
