@@ -166,15 +166,15 @@ def test_every_row_head_and_tail_length(isa, dtype):
 
 @pytest.mark.parametrize("compressed", [False, True])
 def test_wide_float32_backward_with_streaming_stores(isa, compressed):
-    """One thread, float32 rows of 2048+ values: dx goes out by streaming stores (nf_backward_streams),
-    aligned rows (2048) and rows whose alignment changes within a block (2049, 4095). Against float64,
-    the same dx bits as three threads (ordinary stores; only dweight's summation order differs), and
-    sentinels either side of dx that must survive."""
+    """One thread, float32 rows of 2048+ values, dy + x + dx past 20 MiB: dx goes out by streaming
+    stores (nf_backward_streams), on aligned rows (2048) and on rows whose alignment changes within a
+    block (2049, 4095). Against float64, the same dx bits as three threads (ordinary stores below
+    40 MiB; only dweight's summation order differs), and sentinels either side of dx that survive."""
     lib = cpu.library()
     code = cpu.DTYPE_CODES[torch.float32]
     for n in (2048, 2049, 4095):
-        check_backward(compressed, torch.float32, (9, n), "weight")
-        rows, off = 9, 3
+        rows, off = (20 << 20) // (12 * n) + 5, 3
+        check_backward(compressed, torch.float32, (rows, n), "weight")
         x, dy, w = torch.randn(rows, n), torch.randn(rows, n), 1 + 0.5 * torch.randn(n)
         _, rstd = cpu.forward(x, w, None, 1e-5, compressed, want_rstd=True)
         outs = []

@@ -149,16 +149,20 @@ static int nf_backward_block_rows(int64_t rows, int64_t n, int64_t elem) {
 }
 
 /* The float32 blocked backward of wide rows writes NF_RB dx rows at once, and their
- * read-for-ownership traffic shows. Streaming stores skip it. Measured on the Zen 5 EPYC (interleaved
- * A/B of the kernel alone), AVX-512: one thread 0.70-0.93x the time from 64x4096 to 2048x2048; two
- * threads 0.76-0.88x with 48 MiB of dy, x and dx (beyond the 32 MiB L3), 0.98-1.02x at 24 MiB and
- * less; the AVX2 path alike (one thread 0.79-1.04x, two 0.87-0.88x at 48 MiB). bfloat16 / float16
- * rows (half the bytes per vector, conversion work per element) ran 0.91-1.17x with them, so they
- * keep ordinary stores, as do narrow rows (one row at a time). */
+ * read-for-ownership traffic shows. Streaming stores skip it, but leave dx in memory rather than in
+ * cache, where the next op would read it: so only when dy, x and dx together do not fit in cache
+ * anyway. Measured on the Zen 5 EPYC (interleaved A/B of the kernel alone), AVX-512: one thread
+ * 0.68-0.79x the time at 24-48 MiB (512x4096 to 2048x2048; 0.88-0.93x at 3-12 MiB, not taken);
+ * two threads 0.76-0.88x at 48 MiB, 0.98-1.02x at 24 MiB; the AVX2 path alike (one thread
+ * 0.79-0.82x, two 0.87-0.88x at 48 MiB). bfloat16 / float16 rows (half the bytes per vector,
+ * conversion work per element) ran 0.91-1.17x with them, so they keep ordinary stores, as do narrow
+ * rows (one row at a time). */
 #define NF_BWD_STREAM_BYTES ((int64_t)40 << 20)
 
 static int nf_backward_streams(int64_t rows, int64_t n, int64_t elem, int nth) {
-    return NF_HAVE_STREAM && elem == 4 && n * elem >= 8192 && (nth == 1 || 3 * rows * n * elem > NF_BWD_STREAM_BYTES);
+    const int64_t bytes = 3 * rows * n * elem;
+    return NF_HAVE_STREAM && elem == 4 && n * elem >= 8192 &&
+           bytes > (nth == 1 ? NF_BWD_CACHED_BYTES : NF_BWD_STREAM_BYTES);
 }
 
 /* ---- exported entry points (ctypes) ---- */
