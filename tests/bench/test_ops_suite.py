@@ -18,4 +18,21 @@ def test_ops_suite_writes_every_pass(tmp_path, monkeypatch):
     for r in rows:
         assert r["rms_norm_us"] > 0 and r["layer_norm_us"] > 0 and r["copy_us"] > 0
         assert r["backend"].startswith("cpu-kernel") or r["backend"] == "reference"
-    assert all(r["target"] in ("met", "") or r["target"].startswith("miss") for r in rows)
+    assert all(r["target"] == "met" or r["target"].startswith("miss: ") for r in rows)
+
+
+def _row(ln, rms, copy):
+    return {"layer_norm_us": ln, "rms_norm_us": rms, "copy_us": copy, "rms/ln": rms / ln, "rms/copy": rms / copy}
+
+
+def test_target_column_follows_issue_12():
+    t = bench_ops._target
+    # forward: 0.6 x LayerNorm, or 1.15 x copy where LayerNorm is within 1/0.6 of a copy; always <= 1.5 x copy
+    assert t("forward", _row(100, 59, 50)) == "met"
+    assert t("forward", _row(100, 70, 50)) == "miss: ln>0.6"  # LayerNorm is 2 x copy: no floor exception
+    assert t("forward", _row(100, 70, 65)) == "met"  # LayerNorm at 1.54 x copy, RMSNorm at 1.08 x copy
+    assert t("forward", _row(100, 80, 65)) == "miss: ln>0.6 and copy>1.15"
+    assert t("forward", _row(100, 59, 30)) == "miss: copy>1.5"
+    # backward: 0.8 x LayerNorm's backward; fused add: 0.6 x add + LayerNorm
+    assert t("backward", _row(100, 80, 10)) == "met" and t("backward", _row(100, 81, 10)) == "miss: ln>0.8"
+    assert t("add", _row(100, 60, 10)) == "met" and t("add", _row(100, 61, 10)) == "miss: ln>0.6"
