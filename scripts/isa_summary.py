@@ -3,7 +3,8 @@
     python scripts/isa_summary.py benchmarks/isa-epyc-zen5/ops-avx2-t1-ops.csv benchmarks/isa-epyc-zen5/ops-avx2-t2-ops.csv
 
 Each CSV is one run (one ISA path, one thread count: taken from the file name's `-tN-`); prints one
-markdown row per dtype and run: forward rms/ln, forward rms/copy, backward rms/ln, add+rms / add+ln.
+markdown row per dtype and run: forward rms/ln, forward rms/copy, backward rms/ln, add+rms / add+ln,
+and how many of the run's rows for that dtype meet issue 12's targets (the CSV's `target` column).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ def span(values) -> str:
 
 
 def main(paths: list[str]) -> int:
-    print("| dtype | threads | fwd rms/ln | fwd rms/copy | bwd rms/ln | add+rms / add+ln |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| dtype | threads | fwd rms/ln | fwd rms/copy | bwd rms/ln | add+rms / add+ln | targets met |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     rows = []
     for path in paths:
         m = re.search(r"-t(\d+)-", path)
@@ -35,9 +36,12 @@ def main(paths: list[str]) -> int:
             if not p:
                 continue
             fwd, bwd, add = p["forward"], p["backward"], p["add"]
+            every = fwd + bwd + add
+            met = sum(r.get("target") == "met" for r in every)
             rows.append((dtype, threads, [
                 span(float(r["rms/ln"]) for r in fwd), span(float(r["rms/copy"]) for r in fwd),
-                span(float(r["rms/ln"]) for r in bwd), span(float(r["rms/ln"]) for r in add) if add else "—"]))
+                span(float(r["rms/ln"]) for r in bwd), span(float(r["rms/ln"]) for r in add) if add else "—",
+                f"{met}/{len(every)}"]))
     order = {"float32": 0, "bfloat16": 1, "float16": 2}
     for dtype, threads, cells in sorted(rows, key=lambda r: (order[r[0]], r[1])):
         print(f"| {dtype} | {threads} | " + " | ".join(cells) + " |")
