@@ -31,7 +31,10 @@
 #define LDN NF_CAT(ldn, NF_S)
 #define ST NF_CAT(st, NF_S)
 #define STN NF_CAT(stn, NF_S)
-#if NF_HAVE_STREAM
+#ifndef NF_STREAM_DX
+#define NF_STREAM_DX 0 /* streaming stores for dx: the float32 instantiation only (nf_backward_streams) */
+#endif
+#if NF_HAVE_STREAM && NF_STREAM_DX
 #define STS NF_CAT(sts, NF_S)
 #else
 #define STS ST
@@ -307,7 +310,7 @@ static NF_INLINE void NF_FN(bwd_block)(const NF_T *dy, const NF_T *ds, const NF_
 #define NF_BWD(hw, nt) NF_FN(blk_backward)(dy + r0 * n, dsr, x + r0 * xs, xs, w, rstd + r0, inv_d, compressed, \
                                          dx + r0 * n, dwt, dbt, R, n, hw, nt)
     /* hw and nt as literals: each combination gets its own loop (a runtime nt cost 2-10%) */
-    if (nt) { if (w) NF_BWD(1, 1); else NF_BWD(0, 1); }
+    if (NF_STREAM_DX && nt) { if (w) NF_BWD(1, 1); else NF_BWD(0, 1); }
     else { if (w) NF_BWD(1, 0); else NF_BWD(0, 0); }
 #undef NF_BWD
 }
@@ -352,6 +355,7 @@ static void NF_FN(backward)(const NF_T *dy, const NF_T *ds, const NF_T *x, int64
 #undef ST
 #undef STN
 #undef STS
+#undef NF_STREAM_DX
 #undef RT
 #undef NF_VB
 #undef HEAD

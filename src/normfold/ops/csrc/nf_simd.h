@@ -149,13 +149,11 @@ static inline void st_f16(nf_f16 *p, vf v) { _mm256_storeu_si256((__m256i *)p, _
 static inline void stn_f16(nf_f16 *p, vf v, int64_t k) { _mm256_mask_storeu_epi16(p, nf_mask(k), _mm512_cvtps_ph(v, NF_F16_ROUND)); }
 static inline vf rt_f16(vf v) { return _mm512_cvtph_ps(_mm512_cvtps_ph(v, NF_F16_ROUND)); }
 static inline float nf_f16_to_f32(nf_f16 h) { return _cvtsh_ss(h); }
-static inline void sts_f16(nf_f16 *p, vf v) { _mm256_stream_si256((__m256i *)p, _mm512_cvtps_ph(v, NF_F16_ROUND)); }
 #endif
-/* Streaming (non-temporal) stores of one full vector to a vector-aligned address (NF_VB bytes). */
+/* Streaming (non-temporal) store of one full float32 vector to a 64-byte-aligned address (only
+ * the float32 backward uses them: nf_backward_streams). */
 #define NF_HAVE_STREAM 1
 static inline void sts_f32(float *p, vf v) { _mm512_stream_ps(p, v); }
-static inline void sts_bf16(uint16_t *p, vf v) { _mm256_stream_si256((__m256i *)p, nf_narrow_bf16(v)); }
-static inline void sts_bf16q(uint16_t *p, vf v) { _mm256_stream_si256((__m256i *)p, nf_narrow_bf16q(v)); }
 
 #elif NF_AVX2
 /* ================================ AVX2 + FMA + F16C ================================ */
@@ -238,9 +236,6 @@ static inline vf rt_f16(vf v) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, NF_F16
 static inline float nf_f16_to_f32(nf_f16 h) { return _cvtsh_ss(h); }
 #define NF_HAVE_STREAM 1
 static inline void sts_f32(float *p, vf v) { _mm256_stream_ps(p, v); }
-static inline void sts_bf16(uint16_t *p, vf v) { _mm_stream_si128((__m128i *)p, nf_narrow_bf16(v)); }
-static inline void sts_bf16q(uint16_t *p, vf v) { _mm_stream_si128((__m128i *)p, nf_narrow_bf16q(v)); }
-static inline void sts_f16(nf_f16 *p, vf v) { _mm_stream_si128((__m128i *)p, _mm256_cvtps_ph(v, NF_F16_ROUND)); }
 
 #elif NF_NEON
 /* ================================ NEON (aarch64) ================================ */

@@ -55,6 +55,7 @@ static void nf_reduce_rows(float *rows, int k, int64_t n) {
 #define NF_USE_BF16PAIR 0
 #define NF_T float
 #define NF_S f32
+#define NF_STREAM_DX 1
 #define NF_FWD_BLOCK 0
 #define NF_USE_BF16DOT 0
 #include "nf_kernels.h"
