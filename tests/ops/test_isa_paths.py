@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from norm_cases import DTYPES, KERNEL_ACTIVE, TOL, check_backward, check_forward, rel
+from norm_cases import DTYPES, KERNEL_ACTIVE, TOL, check_backward, check_forward, d64, ref_fn, rel
 from normfold import ops
 from normfold.ops import cpu, reference
 
@@ -186,3 +186,33 @@ def test_wide_float32_backward_with_streaming_stores(isa, compressed):
             assert (buf[:off] == -1234.0).all() and (buf[off + rows * n:] == -1234.0).all(), (n, threads)
             outs.append(dx.clone())
         assert torch.equal(outs[0], outs[1]), n
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_large_float32_fused_add_with_streaming_stores(isa, compressed):
+    """One thread, float32 fused add with x, r, s, y past 30 MiB: s and y go out by streaming stores
+    and the normalize pass recomputes x + r (nf_add_streams). Every affine combination, an odd width
+    (row heads) and a wide one: s bit for bit x + r, y bit for bit the three-thread result (ordinary
+    stores below 40 MiB) and against float64, sentinels either side of s and y."""
+    lib = cpu.library()
+    code = cpu.DTYPE_CODES[torch.float32]
+    for n, affine in ((1023, "both"), (1023, "none"), (4096, "weight"), (4096, "bias")):
+        rows, off = (30 << 20) // (16 * n) + 7, 5
+        x, r = torch.randn(rows, n), torch.randn(rows, n)
+        w = 1 + 0.5 * torch.randn(n) if affine in ("weight", "both") else None
+        b = 0.5 * torch.randn(n) if affine in ("bias", "both") else None
+        outs = []
+        for threads in (1, 3):
+            ybuf, sbuf = torch.full((off + rows * n + 16,), -1234.0), torch.full((off + rows * n + 16,), -1234.0)
+            y, s = ybuf[off:off + rows * n], sbuf[off:off + rows * n]
+            assert lib.nf_forward(code, x.data_ptr(), n, r.data_ptr(), n, None if w is None else w.data_ptr(), code,
+                                  None if b is None else b.data_ptr(), code, y.data_ptr(), s.data_ptr(), None, rows,
+                                  n, 1e-5, int(compressed), threads) == 0
+            for buf in (ybuf, sbuf):
+                assert (buf[:off] == -1234.0).all() and (buf[off + rows * n:] == -1234.0).all(), (n, affine, threads)
+            outs.append((y.view(rows, n).clone(), s.view(rows, n).clone()))
+        (y1, s1), (y3, s3) = outs
+        assert torch.equal(s1, x + r) and torch.equal(s3, x + r), (n, affine)
+        assert torch.equal(y1, y3), (n, affine)
+        ref = ref_fn(compressed)(s1.double(), d64(w), d64(b), 1e-5)
+        assert rel(y1, ref) <= TOL[torch.float32], (n, affine)

@@ -31,10 +31,10 @@
 #define LDN NF_CAT(ldn, NF_S)
 #define ST NF_CAT(st, NF_S)
 #define STN NF_CAT(stn, NF_S)
-#ifndef NF_STREAM_DX
-#define NF_STREAM_DX 0 /* streaming stores for dx: the float32 instantiation only (nf_backward_streams) */
+#ifndef NF_STREAMS
+#define NF_STREAMS 0 /* streaming stores: the float32 instantiation only (nf_backward_streams, nf_add_streams) */
 #endif
-#if NF_HAVE_STREAM && NF_STREAM_DX
+#if NF_HAVE_STREAM && NF_STREAMS
 #define STS NF_CAT(sts, NF_S)
 #else
 #define STS ST
@@ -50,7 +50,7 @@
 #define NF_BLK_STATS NF_FN(blk_stats)
 #endif
 #if NF_USE_BF16PAIR
-#define NF_BLK_ADD_STATS nf_bf16pair_add_stats
+#define NF_BLK_ADD_STATS(x, xs, r, rst, s, R, n, ws, sq, sm, nt) nf_bf16pair_add_stats(x, xs, r, rst, s, R, n, ws, sq, sm)
 #else
 #define NF_BLK_ADD_STATS NF_FN(blk_add_stats)
 #endif
@@ -83,9 +83,9 @@ static NF_INLINE void NF_FN(blk_stats)(const NF_T *x, int64_t xs, int R, int64_t
 }
 
 /* s = x + r rounded to the storage dtype (written to s, rows n apart), and the statistics of that
- * rounded s, so the fused op equals the unfused `norm(x + r)` exactly. */
+ * rounded s, so the fused op equals the unfused `norm(x + r)` exactly. `nt`: s by streaming stores. */
 static NF_INLINE void NF_FN(blk_add_stats)(const NF_T *x, int64_t xs, const NF_T *r, int64_t rst, NF_T *s, int R,
-                                           int64_t n, int with_sum, float *sq, float *sm) {
+                                           int64_t n, int with_sum, float *sq, float *sm, int nt) {
     for (int i = 0; i < R; i++) {
         const NF_T *xr = x + i * xs, *rr = r + i * rst;
         NF_T *sr = s + i * n;
@@ -100,8 +100,8 @@ static NF_INLINE void NF_FN(blk_add_stats)(const NF_T *x, int64_t xs, const NF_T
         }
         for (; j + 2 * NF_VW <= n; j += 2 * NF_VW) {
             vf v0 = vf_add(LD(xr + j), LD(rr + j)), v1 = vf_add(LD(xr + j + NF_VW), LD(rr + j + NF_VW));
-            ST(sr + j, v0);
-            ST(sr + j + NF_VW, v1);
+            if (nt) { STS(sr + j, v0); STS(sr + j + NF_VW, v1); } /* aligned: HEAD(sr) above */
+            else { ST(sr + j, v0); ST(sr + j + NF_VW, v1); }
             v0 = RT(v0);
             v1 = RT(v1);
             a0 = vf_fma(v0, v0, a0);
@@ -121,53 +121,63 @@ static NF_INLINE void NF_FN(blk_add_stats)(const NF_T *x, int64_t xs, const NF_T
     }
 }
 
-/* y = x · rs · w + b for R rows (y rows n apart). `hw`/`hb` are literals at every call site. */
-static NF_INLINE void NF_FN(blk_apply)(const NF_T *x, int64_t xs, NF_T *y, int R, int64_t n, const float *rs,
-                                       const float *w, const float *b, int hw, int hb) {
+/* y = x · rs · w + b for R rows (y rows n apart). With `sum_nt`, x is x + r recomputed (r rows rst
+ * apart; the float32 sum the statistics pass streamed out, not read back) and y goes out by
+ * streaming stores. `hw`/`hb`/`sum_nt` are literals at every call site. */
+static NF_INLINE void NF_FN(blk_apply)(const NF_T *x, int64_t xs, const NF_T *r, int64_t rst, NF_T *y, int R,
+                                       int64_t n, const float *rs, const float *w, const float *b, int hw, int hb,
+                                       int sum_nt) {
+#define NF_SRC(j) (sum_nt ? vf_add(LD(xr + (j)), LD(rr + (j))) : LD(xr + (j)))
+#define NF_SRCN(j, k) (sum_nt ? vf_add(LDN(xr + (j), k), LDN(rr + (j), k)) : LDN(xr + (j), k))
     for (int i = 0; i < R; i++) {
-        const NF_T *xr = x + i * xs;
+        const NF_T *xr = x + i * xs, *rr = sum_nt ? r + i * rst : 0;
         NF_T *yr = y + i * n;
         const vf vr = vf_set1(rs[i]);
         int64_t j = HEAD(yr, n);
         if (j) {
-            vf v = vf_mul(LDN(xr, j), vr);
+            vf v = vf_mul(NF_SRCN(0, j), vr);
             if (hw && hb) v = vf_fma(v, ldn_f32(w, j), ldn_f32(b, j));
             else if (hw) v = vf_mul(v, ldn_f32(w, j));
             else if (hb) v = vf_add(v, ldn_f32(b, j));
             STN(yr, v, j);
         }
         for (; j + NF_VW <= n; j += NF_VW) {
-            vf v = vf_mul(LD(xr + j), vr);
+            vf v = vf_mul(NF_SRC(j), vr);
             if (hw && hb) v = vf_fma(v, ld_f32(w + j), ld_f32(b + j));
             else if (hw) v = vf_mul(v, ld_f32(w + j));
             else if (hb) v = vf_add(v, ld_f32(b + j));
-            ST(yr + j, v);
+            if (sum_nt) STS(yr + j, v); else ST(yr + j, v); /* aligned: HEAD(yr) above */
         }
         if (j < n) {
             const int64_t k = n - j;
-            vf v = vf_mul(LDN(xr + j, k), vr);
+            vf v = vf_mul(NF_SRCN(j, k), vr);
             if (hw && hb) v = vf_fma(v, ldn_f32(w + j, k), ldn_f32(b + j, k));
             else if (hw) v = vf_mul(v, ldn_f32(w + j, k));
             else if (hb) v = vf_add(v, ldn_f32(b + j, k));
             STN(yr + j, v, k);
         }
     }
+#undef NF_SRC
+#undef NF_SRCN
 }
 
 /* One block of R rows starting at row r0 (see forward). */
 static NF_INLINE void NF_FN(fwd_block)(const NF_T *x, int64_t xs, const NF_T *res, int64_t rst, const float *w,
                                        const float *b, const float *wp, const float *bp, NF_T *y, NF_T *s,
                                        float *rstd, int64_t r0, int R, int64_t n, float eps, float inv_d,
-                                       int compressed) {
+                                       int compressed, int nt) {
     float sq[NF_RB], sm[NF_RB], rs[NF_RB];
     const NF_T *src = x + r0 * xs;
     int64_t ss = xs;
     if (res) {
         NF_T *sr = s + r0 * n;
-        if (compressed) NF_BLK_ADD_STATS(src, xs, res + r0 * rst, rst, sr, R, n, 1, sq, sm);
-        else NF_BLK_ADD_STATS(src, xs, res + r0 * rst, rst, sr, R, n, 0, sq, sm);
-        src = sr;
-        ss = n;
+        nt = NF_STREAMS && nt; /* the fused add's s and y by streaming stores (nf_add_streams) */
+        if (compressed) NF_BLK_ADD_STATS(src, xs, res + r0 * rst, rst, sr, R, n, 1, sq, sm, nt);
+        else NF_BLK_ADD_STATS(src, xs, res + r0 * rst, rst, sr, R, n, 0, sq, sm, nt);
+        if (!nt) {
+            src = sr;
+            ss = n;
+        }
     } else if (compressed) {
         NF_BLK_STATS(src, xs, R, n, 1, sq, sm);
     } else {
@@ -194,28 +204,42 @@ static NF_INLINE void NF_FN(fwd_block)(const NF_T *x, int64_t xs, const NF_T *re
     (void)wp;
     (void)bp;
 #endif
-    if (w && b) NF_FN(blk_apply)(src, ss, yr, R, n, rs, w, b, 1, 1);
-    else if (w) NF_FN(blk_apply)(src, ss, yr, R, n, rs, w, b, 1, 0);
-    else if (b) NF_FN(blk_apply)(src, ss, yr, R, n, rs, w, b, 0, 1);
-    else NF_FN(blk_apply)(src, ss, yr, R, n, rs, w, b, 0, 0);
+#define NF_APPLY(hw, hb, sum_nt) NF_FN(blk_apply)(src, ss, res + r0 * rst, rst, yr, R, n, rs, w, b, hw, hb, sum_nt)
+    if (NF_STREAMS && nt && res) {
+        if (w && b) NF_APPLY(1, 1, 1);
+        else if (w) NF_APPLY(1, 0, 1);
+        else if (b) NF_APPLY(0, 1, 1);
+        else NF_APPLY(0, 0, 1);
+    } else {
+        if (w && b) NF_APPLY(1, 1, 0);
+        else if (w) NF_APPLY(1, 0, 0);
+        else if (b) NF_APPLY(0, 1, 0);
+        else NF_APPLY(0, 0, 0);
+    }
+#undef NF_APPLY
 }
 
-/* y = norm(x), or s = x + res and y = norm(s). wp / bp: w / b in pair layout, or 0 (NF_USE_BF16PAIR). */
+/* y = norm(x), or s = x + res and y = norm(s). wp / bp: w / b in pair layout, or 0 (NF_USE_BF16PAIR).
+ * nt: the fused add writes s and y by streaming stores (nf_add_streams; float32 only). */
 static void NF_FN(forward)(const NF_T *x, int64_t xs, const NF_T *res, int64_t rst, const float *w, const float *b,
                            const float *wp, const float *bp, NF_T *y, NF_T *s, float *rstd, int64_t rows, int64_t n,
-                           float eps, int compressed, int nth) {
+                           float eps, int compressed, int nth, int nt) {
     const float inv_d = 1.0f / (float)(compressed ? n + 1 : n);
     const int rb = NF_FWD_BLOCK && (int64_t)sizeof(NF_T) * n * NF_RB <= NF_L1_BLOCK ? NF_RB : 1;
     const int64_t blocks = (rows + rb - 1) / rb;
-#pragma omp parallel for schedule(static) num_threads(nth) if (nth > 1)
-    for (int64_t blk = 0; blk < blocks; blk++) {
-        const int64_t r0 = blk * rb;
-        if (rb == NF_RB && r0 + NF_RB <= rows) {
-            NF_FN(fwd_block)(x, xs, res, rst, w, b, wp, bp, y, s, rstd, r0, NF_RB, n, eps, inv_d, compressed);
-        } else {
-            for (int64_t r = r0; r < rows && r < r0 + rb; r++)
-                NF_FN(fwd_block)(x, xs, res, rst, w, b, wp, bp, y, s, rstd, r, 1, n, eps, inv_d, compressed);
+#pragma omp parallel num_threads(nth) if (nth > 1)
+    {
+#pragma omp for schedule(static) nowait
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            const int64_t r0 = blk * rb;
+            if (rb == NF_RB && r0 + NF_RB <= rows) {
+                NF_FN(fwd_block)(x, xs, res, rst, w, b, wp, bp, y, s, rstd, r0, NF_RB, n, eps, inv_d, compressed, nt);
+            } else {
+                for (int64_t r = r0; r < rows && r < r0 + rb; r++)
+                    NF_FN(fwd_block)(x, xs, res, rst, w, b, wp, bp, y, s, rstd, r, 1, n, eps, inv_d, compressed, nt);
+            }
         }
+        if (nt) nf_stream_fence(); /* before the region's closing barrier */
     }
 }
 
@@ -310,7 +334,7 @@ static NF_INLINE void NF_FN(bwd_block)(const NF_T *dy, const NF_T *ds, const NF_
 #define NF_BWD(hw, nt) NF_FN(blk_backward)(dy + r0 * n, dsr, x + r0 * xs, xs, w, rstd + r0, inv_d, compressed, \
                                          dx + r0 * n, dwt, dbt, R, n, hw, nt)
     /* hw and nt as literals: each combination gets its own loop (a runtime nt cost 2-10%) */
-    if (NF_STREAM_DX && nt) { if (w) NF_BWD(1, 1); else NF_BWD(0, 1); }
+    if (NF_STREAMS && nt) { if (w) NF_BWD(1, 1); else NF_BWD(0, 1); }
     else { if (w) NF_BWD(1, 0); else NF_BWD(0, 0); }
 #undef NF_BWD
 }
@@ -355,7 +379,7 @@ static void NF_FN(backward)(const NF_T *dy, const NF_T *ds, const NF_T *x, int64
 #undef ST
 #undef STN
 #undef STS
-#undef NF_STREAM_DX
+#undef NF_STREAMS
 #undef RT
 #undef NF_VB
 #undef HEAD
