@@ -227,20 +227,31 @@ static void NF_FN(forward)(const NF_T *x, int64_t xs, const NF_T *res, int64_t r
     const float inv_d = 1.0f / (float)(compressed ? n + 1 : n);
     const int rb = NF_FWD_BLOCK && (int64_t)sizeof(NF_T) * n * NF_RB <= NF_L1_BLOCK ? NF_RB : 1;
     const int64_t blocks = (rows + rb - 1) / rb;
-#pragma omp parallel num_threads(nth) if (nth > 1)
-    {
-#pragma omp for schedule(static) nowait
-        for (int64_t blk = 0; blk < blocks; blk++) {
-            const int64_t r0 = blk * rb;
-            if (rb == NF_RB && r0 + NF_RB <= rows) {
-                NF_FN(fwd_block)(x, xs, res, rst, w, b, wp, bp, y, s, rstd, r0, NF_RB, n, eps, inv_d, compressed, nt);
-            } else {
-                for (int64_t r = r0; r < rows && r < r0 + rb; r++)
-                    NF_FN(fwd_block)(x, xs, res, rst, w, b, wp, bp, y, s, rstd, r, 1, n, eps, inv_d, compressed, nt);
-            }
-        }
-        if (nt) nf_stream_fence(); /* before the region's closing barrier */
+#define NF_FWD_BLOCKS(nt_)                                                                                    \
+    for (int64_t blk = 0; blk < blocks; blk++) {                                                              \
+        const int64_t r0 = blk * rb;                                                                          \
+        if (rb == NF_RB && r0 + NF_RB <= rows) {                                                              \
+            NF_FN(fwd_block)(x, xs, res, rst, w, b, wp, bp, y, s, rstd, r0, NF_RB, n, eps, inv_d, compressed, nt_); \
+        } else {                                                                                              \
+            for (int64_t r = r0; r < rows && r < r0 + rb; r++)                                               \
+                NF_FN(fwd_block)(x, xs, res, rst, w, b, wp, bp, y, s, rstd, r, 1, n, eps, inv_d, compressed, nt_); \
+        }                                                                                                     \
     }
+    /* The streaming case needs each thread to fence after its rows, hence a region with a `nowait`
+     * loop; that form measured 10-20% slower than `parallel for` in the float32 forward (with the
+     * arguments firstprivate too), so the ordinary case keeps `parallel for`. */
+    if (!nt) {
+#pragma omp parallel for schedule(static) num_threads(nth) if (nth > 1)
+        NF_FWD_BLOCKS(0)
+    } else {
+#pragma omp parallel num_threads(nth) if (nth > 1)
+        {
+#pragma omp for schedule(static) nowait
+            NF_FWD_BLOCKS(1)
+            nf_stream_fence(); /* before the region's closing barrier */
+        }
+    }
+#undef NF_FWD_BLOCKS
 }
 
 /* Columns [j, j + k) of the gradient pass for R rows; `full` (k == NF_VW) is a literal at each
