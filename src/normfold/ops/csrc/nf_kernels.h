@@ -167,14 +167,15 @@ static NF_INLINE void NF_FN(fwd_block)(const NF_T *x, int64_t xs, const NF_T *re
                                        float *rstd, int64_t r0, int R, int64_t n, float eps, float inv_d,
                                        int compressed, int nt) {
     float sq[NF_RB], sm[NF_RB], rs[NF_RB];
-    const NF_T *src = x + r0 * xs;
+    const NF_T *src = x + r0 * xs, *rr = res ? res + r0 * rst : 0;
     int64_t ss = xs;
+    /* the fused add's s and y by streaming stores (nf_add_streams); y then from x + r, not s */
+    const int stream = NF_STREAMS && nt && res;
     if (res) {
         NF_T *sr = s + r0 * n;
-        nt = NF_STREAMS && nt; /* the fused add's s and y by streaming stores (nf_add_streams) */
-        if (compressed) NF_BLK_ADD_STATS(src, xs, res + r0 * rst, rst, sr, R, n, 1, sq, sm, nt);
-        else NF_BLK_ADD_STATS(src, xs, res + r0 * rst, rst, sr, R, n, 0, sq, sm, nt);
-        if (!nt) {
+        if (compressed) NF_BLK_ADD_STATS(src, xs, rr, rst, sr, R, n, 1, sq, sm, stream);
+        else NF_BLK_ADD_STATS(src, xs, rr, rst, sr, R, n, 0, sq, sm, stream);
+        if (!stream) {
             src = sr;
             ss = n;
         }
@@ -204,8 +205,8 @@ static NF_INLINE void NF_FN(fwd_block)(const NF_T *x, int64_t xs, const NF_T *re
     (void)wp;
     (void)bp;
 #endif
-#define NF_APPLY(hw, hb, sum_nt) NF_FN(blk_apply)(src, ss, res + r0 * rst, rst, yr, R, n, rs, w, b, hw, hb, sum_nt)
-    if (NF_STREAMS && nt && res) {
+#define NF_APPLY(hw, hb, sum_nt) NF_FN(blk_apply)(src, ss, rr, rst, yr, R, n, rs, w, b, hw, hb, sum_nt)
+    if (stream) {
         if (w && b) NF_APPLY(1, 1, 1);
         else if (w) NF_APPLY(1, 0, 1);
         else if (b) NF_APPLY(0, 1, 1);
