@@ -149,6 +149,15 @@ static int nf_backward_block_rows(int64_t rows, int64_t n, int64_t elem) {
     return (n * elem >= 8192 || 3 * rows * n * elem <= NF_BWD_CACHED_BYTES) ? NF_RB : 1;
 }
 
+/* Streaming stores pay off only when the tensors a kernel touches do not fit in cache anyway (a
+ * streamed output is in memory, not in cache, when the next op reads it). `one_thread`: the bound
+ * with one thread; with more, both kernels measured it at 40 MiB (the 32 MiB L3 plus some). */
+#define NF_STREAM_BYTES ((int64_t)40 << 20)
+
+static int nf_past_cache(int64_t bytes, int nth, int64_t one_thread) {
+    return NF_HAVE_STREAM && bytes > (nth == 1 ? one_thread : NF_STREAM_BYTES);
+}
+
 /* The float32 blocked backward of wide rows writes NF_RB dx rows at once, and their
  * read-for-ownership traffic shows. Streaming stores skip it, but leave dx in memory rather than in
  * cache, where the next op would read it: so only when dy, x and dx together do not fit in cache
@@ -158,12 +167,8 @@ static int nf_backward_block_rows(int64_t rows, int64_t n, int64_t elem) {
  * 0.79-0.82x, two 0.87-0.88x at 48 MiB). bfloat16 / float16 rows (half the bytes per vector,
  * conversion work per element) ran 0.91-1.17x with them, so they keep ordinary stores, as do narrow
  * rows (one row at a time). */
-#define NF_BWD_STREAM_BYTES ((int64_t)40 << 20)
-
 static int nf_backward_streams(int64_t rows, int64_t n, int64_t elem, int nth) {
-    const int64_t bytes = 3 * rows * n * elem;
-    return NF_HAVE_STREAM && elem == 4 && n * elem >= 8192 &&
-           bytes > (nth == 1 ? NF_BWD_CACHED_BYTES : NF_BWD_STREAM_BYTES);
+    return elem == 4 && n * elem >= 8192 && nf_past_cache(3 * rows * n * elem, nth, NF_BWD_CACHED_BYTES);
 }
 
 /* The float32 fused add writes s and y, each after a read-for-ownership of its lines; past the cache
@@ -173,12 +178,10 @@ static int nf_backward_streams(int64_t rows, int64_t n, int64_t elem, int nth) {
  * 512x4096) to 128 MiB (8192x1024), 1.09-1.41x at 12-24 MiB; two threads 0.76-0.92x from 48 MiB,
  * 1.05-2.04x at 32 MiB and less. Unlike the backward's, this gain holds for narrow rows too. */
 #define NF_ADD_STREAM_BYTES_1T ((int64_t)30 << 20)
-#define NF_ADD_STREAM_BYTES ((int64_t)40 << 20)
 
-static int nf_add_streams(int64_t rows, int64_t n, int64_t elem, int nth, const void *res, const void *y) {
-    const int64_t bytes = 4 * rows * n * elem;
-    return NF_HAVE_STREAM && elem == 4 && res && y &&
-           bytes > (nth == 1 ? NF_ADD_STREAM_BYTES_1T : NF_ADD_STREAM_BYTES);
+/* float32 only: the caller is the float32 case */
+static int nf_add_streams(int64_t rows, int64_t n, int nth, const void *res, const void *y) {
+    return res && y && nf_past_cache(4 * rows * n * (int64_t)sizeof(float), nth, NF_ADD_STREAM_BYTES_1T);
 }
 
 /* ---- exported entry points (ctypes) ---- */
@@ -207,7 +210,7 @@ int nf_forward(int dtype, const void *x, int64_t xs, const void *res, int64_t rs
     switch (dtype) {
     case NF_F32:
         forward_f32(x, xs, res, rst, wf, bf, 0, 0, y, s, rstd, rows, n, eps, compressed, nth,
-                    nf_add_streams(rows, n, 4, nth, res, y));
+                    nf_add_streams(rows, n, nth, res, y));
         break;
     case NF_BF16:
         if (!nf_bf16q_ok(wf, wdt, n) || !nf_bf16q_ok(bf, bdt, n)) {
