@@ -27,9 +27,12 @@ def test_e2e_runs_and_writes_table3_layout(tmp_path):
     for r in rows:
         assert r["layernorm/ln"] == 1.0
         assert all(r[f"{v}_q25_ms"] <= r[f"{v}_ms"] <= r[f"{v}_q75_ms"] for v in em.VARIANTS)
-        assert r["rms_vs_ln"] in ("faster", "same", "slower")
+        assert r["rms_vs_ln"] in ("faster", "same", "slower") and r["aa_vs_ln"] in ("faster", "same", "slower")
+        assert r["rmsnorm/ln_q25"] <= r["rmsnorm/ln"] <= r["rmsnorm/ln_q75"] and r["aa/ln"] > 0
+        assert r["rounds"] == 2
     md = paths["md"].read_text()
     assert "Table 3 layout" in md and "| cpu, bfloat16, eager | 1 |" in md and "Machine:" in md
+    assert "Pre-LN copy (A/A)" in md and "A/A flagged" in md
     assert len(_rows(paths["csv"])) == 2
     assert paths["png"].stat().st_size > 0
 

@@ -1,9 +1,13 @@
 """`normfold bench e2e`: end-to-end inference time of Pre-LN / Pre-RMS / Pre-CRMS / no-norm models
 (paper 001 §4, Table 3 layout): ViTs of Table 2 and GPT-3 Small/Medium, random weights.
 
-Every time is normalized to the Pre-LN model's median for the same setting. "gap captured" is
+Every time is normalized to the Pre-LN model of the same setting, round by round: each round runs
+every variant once, back to back, and `X/ln` is the median over rounds of that round's X / Pre-LN
+time (a paired ratio: drifts of a shared machine move both and cancel). "gap captured" is
 (LN − RMS) / (LN − no-norm): the share of everything normalization costs that the conversion
-removes (1.0 would make the norm free). The four variants of one setting are timed interleaved.
+removes (1.0 would make the norm free). A second, separately allocated copy of the Pre-LN model
+runs as a control (A/A): its ratio to Pre-LN is what "no difference" looks like on the machine,
+and how often the verdict flags it says how far to trust the verdicts of the real variants.
 With `compile=True` each variant is also timed under `torch.compile` (normalized to the compiled
 Pre-LN model), which checks that a converted model is not slower with compilation on both sides.
 """
@@ -11,6 +15,7 @@ Pre-LN model), which checks that a converted model is not slower with compilatio
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import gc
 import math
@@ -21,7 +26,7 @@ import torch
 from ..errors import NormfoldError
 from . import e2e_models as em
 from .results import write
-from .timing import Bar, machine_info, measure, steady_allocator
+from .timing import Bar, machine_info, measure, paired, ratio_verdict, steady_allocator
 
 # name -> (parameter dtype, autocast dtype or None)
 DTYPES = {
@@ -99,10 +104,15 @@ def _forward(model, x, amp, device_type):
     return run
 
 
+CONTROL = "layernorm-copy"  # the A/A control: the Pre-LN model again, in memory of its own
+CONTROL_LABEL = "Pre-LN copy (A/A)"
+
+
 def _models(cfg, device: str, dtype: str, compile: bool) -> dict[str, torch.nn.Module]:
     param_dtype, _ = DTYPES[dtype]
     # Convert where the model will run (float64 algebra on a GPU is fast), then cast once.
     out = {k: m.to(dtype=param_dtype) for k, m in em.variants(em.build(cfg).to(device)).items()}
+    out[CONTROL] = copy.deepcopy(out["layernorm"])
     if compile:
         out.update({f"{k}+compile": torch.compile(m) for k, m in list(out.items())})
     return out
@@ -110,26 +120,31 @@ def _models(cfg, device: str, dtype: str, compile: bool) -> dict[str, torch.nn.M
 
 def _row(setting: Setting, device: str, mode: str, stats: dict, suffix: str) -> dict:
     cfg = setting.cfg
-    ms = {v: stats[v + suffix].median * 1e3 for v in em.VARIANTS}
-    ln = ms["layernorm"]
-    gap = ln - ms["no-norm"]
+    ln_stats = stats["layernorm" + suffix]
+    ratio = {v: paired(stats[v + suffix], ln_stats) for v in (*em.VARIANTS, CONTROL)}
     row = {"model": cfg.name, "batch": setting.batch, "tokens": cfg.tokens(), "dtype": setting.dtype,
            "device": device, "mode": mode}
     for v in em.VARIANTS:
-        row[f"{v}/ln"] = ms[v] / ln
+        row[f"{v}/ln"] = ratio[v].median
+    gap = 1.0 - ratio["no-norm"].median
     for v in ("rmsnorm", "crmsnorm"):
-        row[f"gap_captured_{v}"] = (ln - ms[v]) / gap if gap > 0 else math.nan
-    # "slower" only when the quartile ranges do not overlap: the machine's noise is not a regression
-    rms, lns = stats["rmsnorm" + suffix], stats["layernorm" + suffix]
-    row["rms_vs_ln"] = "slower" if rms.q25 > lns.q75 else ("faster" if rms.q75 < lns.q25 else "same")
+        row[f"gap_captured_{v}"] = (1.0 - ratio[v].median) / gap if gap > 0 else math.nan
+    row["rmsnorm/ln_q25"], row["rmsnorm/ln_q75"] = ratio["rmsnorm"].q25, ratio["rmsnorm"].q75
+    row["aa/ln"], row["aa/ln_q25"], row["aa/ln_q75"] = (ratio[CONTROL].median, ratio[CONTROL].q25,
+                                                         ratio[CONTROL].q75)
+    row["rms_vs_ln"] = ratio_verdict(ratio["rmsnorm"])
+    row["aa_vs_ln"] = ratio_verdict(ratio[CONTROL])  # anything but "same" is the machine's noise
+    row["rounds"] = ln_stats.n
     for v in em.VARIANTS:
         s = stats[v + suffix]
-        row[f"{v}_ms"], row[f"{v}_q25_ms"], row[f"{v}_q75_ms"] = ms[v], s.q25 * 1e3, s.q75 * 1e3
+        row[f"{v}_ms"], row[f"{v}_q25_ms"], row[f"{v}_q75_ms"] = s.median * 1e3, s.q25 * 1e3, s.q75 * 1e3
+    row["layernorm_ms"] = ln_stats.median * 1e3
     return row
 
 
-COLUMNS = ["model", "batch", "dtype", "mode", "no-norm/ln", "layernorm/ln", "rmsnorm/ln", "crmsnorm/ln",
-           "layernorm_ms", "gap_captured_rmsnorm", "gap_captured_crmsnorm", "rms_vs_ln"]
+COLUMNS = ["model", "batch", "dtype", "mode", "no-norm/ln", "rmsnorm/ln", "rmsnorm/ln_q25", "rmsnorm/ln_q75",
+           "crmsnorm/ln", "aa/ln", "layernorm_ms", "gap_captured_rmsnorm", "gap_captured_crmsnorm", "rms_vs_ln",
+           "aa_vs_ln"]
 
 
 def run(out_dir="benchmarks", device: str = "cpu", quick: bool = False, rounds: int | None = None,
@@ -139,7 +154,9 @@ def run(out_dir="benchmarks", device: str = "cpu", quick: bool = False, rounds: 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise NormfoldError("--device cuda: no CUDA device is visible to torch")
     settings = settings if settings is not None else plan(device, quick, models, batches, dtypes).settings()
-    rounds = rounds or ((5 if quick else 10) if device == "cpu" else (10 if quick else 30))
+    # 15 rounds on CPU: the norms are 1-4 % of these forwards, about this machine's run-to-run
+    # noise, and the paired verdict needs enough rounds to tell (five gave 'slower' on an A/A pair)
+    rounds = rounds or (15 if device == "cpu" else (10 if quick else 30))
     machine = machine_info()
     machine["allocator"] = steady_allocator()  # no page faults inside the timings
     device_type = "cuda" if device.startswith("cuda") else "cpu"
@@ -180,7 +197,7 @@ def summary(rows: list[dict]) -> str:
     for r in rows:
         groups.setdefault((r["device"], r["dtype"], r["mode"]), []).append(r)
     head = ["setting", "settings", *(em.LABELS[v] for v in em.VARIANTS), "gap captured (RMS)",
-            "gap captured (CRMS)", "RMS slower than LN"]
+            "gap captured (CRMS)", "RMS slower than LN", CONTROL_LABEL, "A/A flagged"]
     lines = ["#### Mean over settings (paper 001 Table 3 layout)", "",
              "| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
     for (device, dtype, mode), rs in groups.items():
@@ -191,11 +208,17 @@ def summary(rows: list[dict]) -> str:
         gap = 1.0 - mean["no-norm"]
         cells += [f"{(1.0 - mean[v]) / gap:.2f}" if gap > 0 else "n/a" for v in ("rmsnorm", "crmsnorm")]
         cells.append(f"{sum(r['rms_vs_ln'] == 'slower' for r in rs)} of {len(rs)}")
+        cells.append(f"{_mean(r['aa/ln'] for r in rs):.4f}")
+        cells.append(f"{sum(r['aa_vs_ln'] != 'same' for r in rs)} of {len(rs)}")
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append("gap captured = (LN − RMS) / (LN − no norm) from the mean normalized times: the share of the "
-                 "normalization cost the conversion removes (n/a when no-norm is not faster than LN). "
-                 "'slower' counts settings where the quartile ranges of RMS and LN do not overlap.")
+    lines.append("Times are paired ratios to Pre-LN (per round, median over rounds). gap captured = "
+                 "(LN − RMS) / (LN − no norm) from the mean ratios: the share of the normalization cost the "
+                 "conversion removes (n/a when no-norm is not faster than LN). 'slower' counts settings where "
+                 "RMS took longer than LN in more than three rounds of four (the paired ratio's lower "
+                 f"quartile above 1). {CONTROL_LABEL} is the Pre-LN model again: 'A/A flagged' counts the "
+                 "settings where that same test called two identical models different, i.e. how often the "
+                 "verdict is noise on this machine.")
     return "\n".join(lines) + "\n"
 
 

@@ -23,11 +23,31 @@ class Stats:
     q25: float
     q75: float
     n: int
+    samples: tuple[float, ...] = ()  # one per round, in round order (what `paired` pairs up)
 
     @classmethod
     def of(cls, samples: list[float]) -> "Stats":
         q = statistics.quantiles(samples, n=4, method="inclusive") if len(samples) > 1 else [samples[0]] * 3
-        return cls(median=q[1], q25=q[0], q75=q[2], n=len(samples))
+        return cls(median=q[1], q25=q[0], q75=q[2], n=len(samples), samples=tuple(samples))
+
+
+def paired(test: Stats, ref: Stats) -> Stats:
+    """Stats of the per-round ratios test / ref. `measure` times every candidate once per round, back
+    to back, so a round's ratio cancels the drifts of a shared machine that move both (another
+    tenant, clock changes); its quartiles are far tighter than those of the two medians' ratio."""
+    if not test.samples or len(test.samples) != len(ref.samples):
+        raise ValueError("paired() needs the per-round samples of two candidates of one measure() call")
+    return Stats.of([t / r for t, r in zip(test.samples, ref.samples)])
+
+
+def ratio_verdict(ratio: Stats) -> str:
+    """'slower' when the test took longer than the reference in more than three rounds of four
+    (the paired ratio's lower quartile is above 1), 'faster' in the mirror case, else 'same'."""
+    if ratio.q25 > 1.0:
+        return "slower"
+    if ratio.q75 < 1.0:
+        return "faster"
+    return "same"
 
 
 def _sync(device: str) -> None:
