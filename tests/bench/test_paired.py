@@ -42,3 +42,11 @@ def test_measure_keeps_samples_in_round_order():
                     min_time=0)
     assert all(s.n == 5 and len(s.samples) == 5 for s in stats.values())
     assert paired(stats["a"], stats["b"]).n == 5
+
+
+def test_bench_model_verdict_is_paired():
+    from normfold.bench.model import verdict
+
+    ref = [1.0 + 0.5 * i for i in range(12)]  # a drifting machine
+    assert verdict(Stats.of([1.05 * t for t in ref]), Stats.of(ref)) == "slower"
+    assert verdict(Stats.of(ref), Stats.of(list(ref))) == "same (within noise)"

@@ -14,12 +14,15 @@ import torch
 import torch.nn.functional as F
 
 from .results import write
-from .timing import Bar, machine_info, measure, steady_allocator
+from .timing import Bar, machine_info, measure, paired, ratio_verdict, steady_allocator
 
 COLUMNS = ["model", "dtype", "batch", "seq", "original_ms", "converted_ms", "naive_rms_ms",
            "converted/original", "naive/original", "converted_vs_original", "original_norm_ms", "converted_norm_ms",
            "hook_overhead_us"]
-NOTES = ("original_norm_ms / converted_norm_ms: time inside the norm modules per forward (median of "
+NOTES = ("X/original: the median over rounds of each round's X / original time (paired; every round runs each "
+         "model once, back to back); converted_vs_original: 'slower'/'faster' when that held in more than three "
+         "rounds of four. "
+         "original_norm_ms / converted_norm_ms: time inside the norm modules per forward (median of "
          "{repeats} forwards, timed with forward hooks, less hook_overhead_us per norm call: the hooks' "
          "own cost, measured around an nn.Identity).")
 
@@ -85,12 +88,10 @@ def norm_time(model, run, repeats: int = NORM_REPEATS, tick=None, overhead: floa
 
 
 def verdict(test, ref) -> str:
-    """'slower'/'faster' only when the quartile ranges do not overlap, else 'same (within noise)'."""
-    if test.q25 > ref.q75:
-        return "slower"
-    if test.q75 < ref.q25:
-        return "faster"
-    return "same (within noise)"
+    """From the per-round (paired) ratio test / ref: 'slower' / 'faster' when it holds in more than
+    three rounds of four, else 'same (within noise)'."""
+    v = ratio_verdict(paired(test, ref))
+    return "same (within noise)" if v == "same" else v
 
 
 def _naive(model):
@@ -151,8 +152,8 @@ def run(model_path=None, out_dir="benchmarks", dtypes=("float32", "bfloat16"), s
             ms = {k: v.median * 1e3 for k, v in s.items()}
             rows.append({"model": name or source["model"], "dtype": dname, "batch": batch, "seq": seq,
                          "original_ms": ms["original"], "converted_ms": ms["converted"], "naive_rms_ms": ms["naive"],
-                         "converted/original": ms["converted"] / ms["original"],
-                         "naive/original": ms["naive"] / ms["original"],
+                         "converted/original": paired(s["converted"], s["original"]).median,
+                         "naive/original": paired(s["naive"], s["original"]).median,
                          "converted_vs_original": verdict(s["converted"], s["original"]),
                          "original_norm_ms": norm_ms["original"], "converted_norm_ms": norm_ms["converted"],
                          "hook_overhead_us": overhead * 1e6,
@@ -162,9 +163,9 @@ def run(model_path=None, out_dir="benchmarks", dtypes=("float32", "bfloat16"), s
                 with torch.inference_mode():
                     crms_norm_ms = norm_time(extra["crms"], cands["crms"], tick=bar.step, overhead=overhead)
                 rows[-1].update({"crms_ms": ms["crms"], "crms_pad_ms": ms["crms_pad"],
-                                 "crms/original": ms["crms"] / ms["original"],
-                                 "crms/converted": ms["crms"] / ms["converted"],
-                                 "crms_pad/converted": ms["crms_pad"] / ms["converted"],
+                                 "crms/original": paired(s["crms"], s["original"]).median,
+                                 "crms/converted": paired(s["crms"], s["converted"]).median,
+                                 "crms_pad/converted": paired(s["crms_pad"], s["converted"]).median,
                                  "crms_vs_converted": verdict(s["crms"], s["converted"]),
                                  "crms_pad_vs_converted": verdict(s["crms_pad"], s["converted"]),
                                  "crms_norm_ms": crms_norm_ms})
