@@ -19,6 +19,13 @@ def test_ops_suite_writes_every_pass(tmp_path, monkeypatch):
         assert r["rms_norm_us"] > 0 and r["layer_norm_us"] > 0 and r["copy_us"] > 0
         assert r["backend"].startswith("cpu-kernel") or r["backend"] == "reference"
     assert all(r["target"] == "met" or r["target"].startswith("miss: ") for r in rows)
+    # the backward's floor (two reads, one write) has its own columns there and only there
+    for r in rows:
+        if r["pass"] == "backward":
+            assert r["floor_us"] > 0 and r["rms/floor"] == r["rms_norm_us"] / r["floor_us"]
+        else:
+            assert r["floor_us"] == ""
+    assert "rms/floor" in md.split("### ")[2] and "floor = torch.add(dy, x" in md
 
 
 def _row(ln, rms, copy):

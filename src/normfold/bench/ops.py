@@ -5,7 +5,9 @@ Three passes, each a section of the table (ratios < 1 mean normfold is faster):
 - forward: normfold RMSNorm (with weight) / CRMSNorm (width d−1) vs F.layer_norm with weight and
   bias, F.rms_norm, and x.clone() — a copy reads and writes the same bytes as a norm and is the
   memory-bandwidth floor a norm kernel can approach;
-- backward: the gradient w.r.t. input and parameters (autograd on a kept graph) of the same ops;
+- backward: the gradient w.r.t. input and parameters (autograd on a kept graph) of the same ops,
+  and `torch.add(dy, x, alpha=0.5)` as the floor: a backward reads dy and x and writes dx, the same
+  two reads and one write (a copy moves a third less);
 - add: the fused residual add + norm (`ops.add_rms_norm`, returning the sum and the normalized
   value) vs `x + r` followed by F.layer_norm, by F.rms_norm and by normfold's unfused RMSNorm.
 
@@ -44,7 +46,8 @@ COLUMNS = {
     "forward": ["shape", "dtype", "layer_norm_us", "rms_norm_us", "crms_norm_us", "torch_rms_norm_us", "copy_us",
                 "rms/ln", "crms/ln", "torch_rms/ln", "rms/copy", "crms/copy", "target", "backend"],
     "backward": ["shape", "dtype", "layer_norm_us", "rms_norm_us", "crms_norm_us", "torch_rms_norm_us", "copy_us",
-                 "rms/ln", "crms/ln", "torch_rms/ln", "rms/copy", "target", "backend"],
+                 "floor_us", "rms/ln", "crms/ln", "torch_rms/ln", "rms/copy", "rms/floor", "ln/floor", "target",
+                 "backend"],
     "add": ["shape", "dtype", "layer_norm_us", "unfused_rms_norm_us", "rms_norm_us", "crms_norm_us",
             "torch_rms_norm_us", "copy_us", "rms/ln", "rms/unfused", "crms/ln", "torch_rms/ln", "rms/copy",
             "target", "backend"],
@@ -52,7 +55,8 @@ COLUMNS = {
 TITLES = {
     "forward": "Forward: median µs and ratios (lower is better). ln = F.layer_norm with weight and bias; "
                "rms/crms = normfold with weight; copy = x.clone()",
-    "backward": "Backward (grad of input and parameters): median µs and ratios",
+    "backward": "Backward (grad of input and parameters): median µs and ratios. floor = torch.add(dy, x, "
+                "alpha=0.5), the two reads and one write every backward makes",
     "add": "Fused residual add + norm, (x + r, norm(x + r)): median µs and ratios. ln = x + r then "
            "F.layer_norm; unfused = x + r then normfold RMSNorm; rms/crms = ops.add_rms_norm / add_crms_norm",
 }
@@ -96,6 +100,7 @@ def backward_candidates(shape, dtype):
              for k, (y, i, g) in graphs.items()}
     xd = x.detach()
     cands["copy"] = lambda: xd.clone()
+    cands["floor"] = lambda: torch.add(dy, xd, alpha=0.5)
     return xd, cands
 
 
@@ -136,6 +141,8 @@ def _row(pas, shape, dname, x, s) -> dict:
                 "rms/copy": rms / us["copy"], "crms/copy": us["crms_norm"] / us["copy"]})
     if pas == "add":
         row["rms/unfused"] = rms / us["unfused_rms_norm"]
+    if "floor" in us:
+        row["rms/floor"], row["ln/floor"] = rms / us["floor"], ln / us["floor"]
     for k in ("layer_norm", "rms_norm", "copy"):
         row[f"{k}_q25_us"], row[f"{k}_q75_us"] = s[k].q25 * 1e6, s[k].q75 * 1e6
     row["target"] = _target(pas, row)
