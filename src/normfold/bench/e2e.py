@@ -138,7 +138,6 @@ def _row(setting: Setting, device: str, mode: str, stats: dict, suffix: str) -> 
     for v in em.VARIANTS:
         s = stats[v + suffix]
         row[f"{v}_ms"], row[f"{v}_q25_ms"], row[f"{v}_q75_ms"] = s.median * 1e3, s.q25 * 1e3, s.q75 * 1e3
-    row["layernorm_ms"] = ln_stats.median * 1e3
     return row
 
 

@@ -7,6 +7,7 @@ converted model with a naive RMSNorm (torch's F.rms_norm) to show why the kernel
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 
@@ -18,13 +19,14 @@ from .timing import Bar, machine_info, measure, paired, ratio_verdict, steady_al
 
 COLUMNS = ["model", "dtype", "batch", "seq", "original_ms", "converted_ms", "naive_rms_ms",
            "converted/original", "naive/original", "converted_vs_original", "original_norm_ms", "converted_norm_ms",
-           "hook_overhead_us"]
+           "norm converted/original", "hook_overhead_us"]
 NOTES = ("X/original: the median over rounds of each round's X / original time (paired; every round runs each "
          "model once, back to back); converted_vs_original: 'slower'/'faster' when that held in more than three "
          "rounds of four. "
          "original_norm_ms / converted_norm_ms: time inside the norm modules per forward (median of "
          "{repeats} forwards, timed with forward hooks, less hook_overhead_us per norm call: the hooks' "
-         "own cost, measured around an nn.Identity).")
+         "own cost, measured around an nn.Identity); the two models' forwards interleaved, and norm "
+         "converted/original the median over forwards of each pair's ratio).")
 
 
 NORM_REPEATS = 50
@@ -63,28 +65,46 @@ def hook_overhead(repeats: int = 2000) -> float:
     return statistics.median(hooked.calls[repeats // 10:])
 
 
-def norm_time(model, run, repeats: int = NORM_REPEATS, tick=None, overhead: float | None = None) -> float:
-    """Milliseconds per forward spent inside norm modules (LayerNorm / normfold norms), timed with
-    forward hooks: the median over `repeats` forwards of the summed norm calls, less the hooks' own
-    cost per call (`overhead`, seconds; measured by hook_overhead() when not given). End-to-end
-    medians of a small model move by a few percent between runs; this isolates the part of the
-    forward the conversion changes."""
+def norm_times(runs: dict, repeats: int = NORM_REPEATS, tick=None, overhead: float | None = None) -> dict:
+    """Milliseconds spent inside norm modules (LayerNorm / normfold norms) in each forward, per model:
+    `runs` maps a name to (model, zero-argument forward). Timed with forward hooks, less the hooks'
+    own cost per call (`overhead`, seconds; measured by hook_overhead() when not given). The models'
+    forwards are interleaved, one of each per repeat in rotating order, so a drift of the machine
+    reaches them alike and forward i of one model pairs with forward i of another."""
     from ..nn import CRMSNorm, RMSNorm
 
     overhead = hook_overhead() if overhead is None else overhead
-    hooked = _Hooked([m for m in model.modules() if isinstance(m, (torch.nn.LayerNorm, RMSNorm, CRMSNorm))])
-    per_forward = []
+    names = list(runs)
+    hooked = {k: _Hooked([m for m in model.modules() if isinstance(m, (torch.nn.LayerNorm, RMSNorm, CRMSNorm))])
+              for k, (model, _) in runs.items()}
+    out: dict[str, list[float]] = {k: [] for k in names}
     try:
-        run()  # warm-up
-        for _ in range(repeats):
-            hooked.calls.clear()
-            run()
-            per_forward.append(sum(hooked.calls) - len(hooked.calls) * overhead)
-            if tick is not None:
-                tick()
+        for k in names:
+            runs[k][1]()  # warm-up
+        for i in range(repeats):
+            for k in names[i % len(names):] + names[:i % len(names)]:
+                calls = hooked[k].calls
+                calls.clear()
+                runs[k][1]()
+                out[k].append((sum(calls) - len(calls) * overhead) * 1e3)
+                if tick is not None:
+                    tick()
     finally:
-        hooked.close()
-    return max(0.0, statistics.median(per_forward)) * 1e3
+        for h in hooked.values():
+            h.close()
+    return out
+
+
+def norm_time(model, run, repeats: int = NORM_REPEATS, tick=None, overhead: float | None = None) -> float:
+    """The median over `repeats` forwards of norm_times for one model (ms). End-to-end medians of a
+    small model move by a few percent between runs; this isolates the part of the forward the
+    conversion changes."""
+    return max(0.0, statistics.median(norm_times({"m": (model, run)}, repeats, tick, overhead)["m"]))
+
+
+def paired_norm_ratio(test: list[float], ref: list[float]) -> float:
+    """Median over forwards of test / ref norm time (forwards paired by norm_times' interleaving)."""
+    return statistics.median(t / r for t, r in zip(test, ref) if r > 0) if any(r > 0 for r in ref) else math.nan
 
 
 def verdict(test, ref) -> str:
@@ -147,8 +167,9 @@ def run(model_path=None, out_dir="benchmarks", dtypes=("float32", "bfloat16"), s
             with torch.inference_mode():
                 s = measure(cands, rounds=rounds, min_time=0.05, tick=lambda: bar.step(len(cands)))  # ≥50 ms a sample
                 overhead = hook_overhead()
-                norm_ms = {k: norm_time(m, cands[k], tick=bar.step, overhead=overhead)
-                           for k, m in (("original", model), ("converted", converted))}
+                per_forward = norm_times({k: (m, cands[k]) for k, m in (("original", model), ("converted", converted))},
+                                         tick=bar.step, overhead=overhead)
+                norm_ms = {k: max(0.0, statistics.median(v)) for k, v in per_forward.items()}
             ms = {k: v.median * 1e3 for k, v in s.items()}
             rows.append({"model": name or source["model"], "dtype": dname, "batch": batch, "seq": seq,
                          "original_ms": ms["original"], "converted_ms": ms["converted"], "naive_rms_ms": ms["naive"],
@@ -156,6 +177,8 @@ def run(model_path=None, out_dir="benchmarks", dtypes=("float32", "bfloat16"), s
                          "naive/original": paired(s["naive"], s["original"]).median,
                          "converted_vs_original": verdict(s["converted"], s["original"]),
                          "original_norm_ms": norm_ms["original"], "converted_norm_ms": norm_ms["converted"],
+                         "norm converted/original": paired_norm_ratio(per_forward["converted"],
+                                                                      per_forward["original"]),
                          "hook_overhead_us": overhead * 1e6,
                          "original_q25_ms": s["original"].q25 * 1e3, "original_q75_ms": s["original"].q75 * 1e3,
                          "converted_q25_ms": s["converted"].q25 * 1e3, "converted_q75_ms": s["converted"].q75 * 1e3})
