@@ -31,7 +31,7 @@ static inline int nf_num_threads(void) { return 1; }
 #define NF_ABI_VERSION 4
 /* Below this many elements per thread a parallel region costs more than it saves. Measured on the
  * Zen 5 EPYC, 2 threads, torch 2.13 (docs/kernels-cpu.md, "Threads for mid-sized inputs"): norms of
- * 16-64 K elements ran 8-17% faster on both threads than on one in isolation, and float32 / bfloat16
+ * 16-64 K elements ran 4-18% faster on both threads than on one in isolation, and float32 / bfloat16
  * ones faster inside models too, where the ops around them keep the OpenMP pool awake. float16 keeps
  * ATen's 32 K: PyTorch's CPU float16 matmuls run on one thread, the pool is asleep when the norm
  * after one starts, and waking it cost more than the second thread saved (the bundled model's
