@@ -30,9 +30,12 @@ def test_e2e_runs_and_writes_table3_layout(tmp_path):
         assert r["rms_vs_ln"] in ("faster", "same", "slower") and r["aa_vs_ln"] in ("faster", "same", "slower")
         assert r["rmsnorm/ln_q25"] <= r["rmsnorm/ln"] <= r["rmsnorm/ln_q75"] and r["aa/ln"] > 0
         assert r["rounds"] == 2
+        # norm time from hooks: Pre-LN's norms are part of its forward, and both variants were timed
+        assert 0 < r["ln_norm_ms"] < r["layernorm_ms"] and r["rms_norm_ms"] > 0
+        assert 0 < r["ln_norm_share"] < 1 and r["norm rms/ln"] > 0
     md = paths["md"].read_text()
     assert "Table 3 layout" in md and "| cpu, bfloat16, eager | 1 |" in md and "Machine:" in md
-    assert "Pre-LN copy (A/A)" in md and "A/A flagged" in md
+    assert "Pre-LN copy (A/A)" in md and "A/A flagged" in md and "norms in Pre-LN forward" in md
     assert len(_rows(paths["csv"])) == 2
     assert paths["png"].stat().st_size > 0
 

@@ -19,12 +19,14 @@ import copy
 import dataclasses
 import gc
 import math
+import statistics
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import NormfoldError
 from . import e2e_models as em
+from .model import hook_overhead, norm_times, paired_norm_ratio
 from .results import write
 from .timing import Bar, machine_info, measure, paired, ratio_verdict, steady_allocator
 
@@ -143,7 +145,19 @@ def _row(setting: Setting, device: str, mode: str, stats: dict, suffix: str) -> 
 
 COLUMNS = ["model", "batch", "dtype", "mode", "no-norm/ln", "rmsnorm/ln", "rmsnorm/ln_q25", "rmsnorm/ln_q75",
            "crmsnorm/ln", "aa/ln", "layernorm_ms", "gap_captured_rmsnorm", "gap_captured_crmsnorm", "rms_vs_ln",
-           "aa_vs_ln"]
+           "aa_vs_ln", "ln_norm_share", "norm rms/ln"]
+NORM_VARIANTS = ("layernorm", "rmsnorm")
+
+
+def _norm_time_columns(models: dict, cands: dict, repeats: int, tick, overhead: float) -> dict:
+    """Time inside the norm modules per forward, Pre-LN against Pre-RMS (forward hooks, the two
+    models' forwards interleaved and paired, as in `bench model`). It measures what the conversion
+    saves on the norms themselves; the no-norm model's gap also drops the module calls and their
+    output tensors, so it is not all norm time."""
+    per = norm_times({k: (models[k], cands[k]) for k in NORM_VARIANTS}, repeats, tick, overhead)
+    ln_ms, rms_ms = (max(0.0, statistics.median(per[k])) for k in NORM_VARIANTS)
+    return {"ln_norm_ms": ln_ms, "rms_norm_ms": rms_ms,
+            "norm rms/ln": paired_norm_ratio(per["rmsnorm"], per["layernorm"])}
 
 
 def run(out_dir="benchmarks", device: str = "cpu", quick: bool = False, rounds: int | None = None,
@@ -160,7 +174,9 @@ def run(out_dir="benchmarks", device: str = "cpu", quick: bool = False, rounds: 
     machine["allocator"] = steady_allocator()  # no page faults inside the timings
     device_type = "cuda" if device.startswith("cuda") else "cpu"
     rows: list[dict] = []
-    bar = Bar(len(settings) * rounds, "bench e2e", enabled=progress)
+    timed_norms = device_type == "cpu"  # host-side hooks would time CUDA launches, not kernels
+    bar = Bar(len(settings) * rounds * (1 + len(NORM_VARIANTS) * timed_norms), "bench e2e", enabled=progress)
+    overhead = hook_overhead() if timed_norms else 0.0
     # One set of models per (config, dtype); batch sizes reuse them.
     groups: dict[tuple, list[Setting]] = {}
     for s in settings:
@@ -176,7 +192,10 @@ def run(out_dir="benchmarks", device: str = "cpu", quick: bool = False, rounds: 
             with torch.inference_mode():
                 stats = measure(cands, rounds=rounds, warmup=2, min_time=min_time, device=device_type,
                                 tick=bar.step)
+                norms = (_norm_time_columns(models, cands, rounds, bar.step, overhead) if timed_norms else
+                         {"ln_norm_ms": math.nan, "rms_norm_ms": math.nan, "norm rms/ln": math.nan})
             rows.append(_row(s, device, "eager", stats, ""))
+            rows[-1].update(norms, ln_norm_share=norms["ln_norm_ms"] / rows[-1]["layernorm_ms"])
             if compile:
                 rows.append(_row(s, device, "compile", stats, "+compile"))
         del models
@@ -196,7 +215,8 @@ def summary(rows: list[dict]) -> str:
     for r in rows:
         groups.setdefault((r["device"], r["dtype"], r["mode"]), []).append(r)
     head = ["setting", "settings", *(em.LABELS[v] for v in em.VARIANTS), "gap captured (RMS)",
-            "gap captured (CRMS)", "RMS slower than LN", CONTROL_LABEL, "A/A flagged"]
+            "gap captured (CRMS)", "RMS slower than LN", CONTROL_LABEL, "A/A flagged", "norms in Pre-LN forward",
+            "norm time Pre-RMS / Pre-LN"]
     lines = ["#### Mean over settings (paper 001 Table 3 layout)", "",
              "| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
     for (device, dtype, mode), rs in groups.items():
@@ -209,6 +229,9 @@ def summary(rows: list[dict]) -> str:
         cells.append(f"{sum(r['rms_vs_ln'] == 'slower' for r in rs)} of {len(rs)}")
         cells.append(f"{_mean(r['aa/ln'] for r in rs):.4f}")
         cells.append(f"{sum(r['aa_vs_ln'] != 'same' for r in rs)} of {len(rs)}")
+        share, norm_ratio = (_mean(r.get(k, math.nan) for r in rs) for k in ("ln_norm_share", "norm rms/ln"))
+        cells.append("n/a" if math.isnan(share) else f"{share:.1%}")
+        cells.append("n/a" if math.isnan(norm_ratio) else f"{norm_ratio:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     lines.append("Times are paired ratios to Pre-LN (per round, median over rounds). gap captured = "
@@ -217,7 +240,9 @@ def summary(rows: list[dict]) -> str:
                  "RMS took longer than LN in more than three rounds of four (the paired ratio's lower "
                  f"quartile above 1). {CONTROL_LABEL} is the Pre-LN model again: 'A/A flagged' counts the "
                  "settings where that same test called two identical models different, i.e. how often the "
-                 "verdict is noise on this machine.")
+                 "verdict is noise on this machine. The last two columns come from forward hooks on the norm "
+                 "modules (CPU, eager; Pre-LN and Pre-RMS forwards interleaved and paired): the share of the "
+                 "Pre-LN forward spent in its norms, and what the same norms cost after conversion.")
     return "\n".join(lines) + "\n"
 
 
