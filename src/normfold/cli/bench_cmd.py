@@ -23,8 +23,9 @@ suites:
           bfloat16 (--compile adds both forms under torch.compile)
   e2e     paper 001 Table 3: ViT (Table 2 sizes) and GPT-3 Small/Medium with random weights, as
           Pre-LN, Pre-RMSNorm and Pre-CRMSNorm (converted by normfold, same function) and without
-          norms (the floor); time normalized to Pre-LN and the share of the LN-to-no-norm gap
-          captured. CPU: float32 and bfloat16; --device cuda: autocast (amp-bf16)
+          norms (the floor), plus a second Pre-LN copy as an A/A control; time as per-round
+          ratios to Pre-LN, the share of the LN-to-no-norm gap captured and (CPU) the norms' own
+          time from forward hooks. CPU: float32 and bfloat16; --device cuda: autocast (amp-bf16)
   convert conversion time and peak memory of `normfold convert` on the bundled model and a
           GPT-2-medium-sized random checkpoint
   un      inference of models with fused Unified Normalization vs their LayerNorm originals and
