@@ -19,14 +19,13 @@ import copy
 import dataclasses
 import gc
 import math
-import statistics
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import NormfoldError
 from . import e2e_models as em
-from .model import hook_overhead, norm_times, paired_norm_ratio
+from .model import hook_overhead, median_ms, norm_times, paired_norm_ratio
 from .results import write
 from .timing import Bar, machine_info, measure, paired, ratio_verdict, steady_allocator
 
@@ -147,6 +146,7 @@ COLUMNS = ["model", "batch", "dtype", "mode", "no-norm/ln", "rmsnorm/ln", "rmsno
            "crmsnorm/ln", "aa/ln", "layernorm_ms", "gap_captured_rmsnorm", "gap_captured_crmsnorm", "rms_vs_ln",
            "aa_vs_ln", "ln_norm_share", "norm rms/ln"]
 NORM_VARIANTS = ("layernorm", "rmsnorm")
+NORM_COLUMNS = ("ln_norm_ms", "rms_norm_ms", "norm rms/ln")
 
 
 def _norm_time_columns(models: dict, cands: dict, repeats: int, tick, overhead: float) -> dict:
@@ -155,9 +155,8 @@ def _norm_time_columns(models: dict, cands: dict, repeats: int, tick, overhead: 
     saves on the norms themselves; the no-norm model's gap also drops the module calls and their
     output tensors, so it is not all norm time."""
     per = norm_times({k: (models[k], cands[k]) for k in NORM_VARIANTS}, repeats, tick, overhead)
-    ln_ms, rms_ms = (max(0.0, statistics.median(per[k])) for k in NORM_VARIANTS)
-    return {"ln_norm_ms": ln_ms, "rms_norm_ms": rms_ms,
-            "norm rms/ln": paired_norm_ratio(per["rmsnorm"], per["layernorm"])}
+    return dict(zip(NORM_COLUMNS, (median_ms(per["layernorm"]), median_ms(per["rmsnorm"]),
+                                    paired_norm_ratio(per["rmsnorm"], per["layernorm"]))))
 
 
 def run(out_dir="benchmarks", device: str = "cpu", quick: bool = False, rounds: int | None = None,
@@ -193,7 +192,7 @@ def run(out_dir="benchmarks", device: str = "cpu", quick: bool = False, rounds: 
                 stats = measure(cands, rounds=rounds, warmup=2, min_time=min_time, device=device_type,
                                 tick=bar.step)
                 norms = (_norm_time_columns(models, cands, rounds, bar.step, overhead) if timed_norms else
-                         {"ln_norm_ms": math.nan, "rms_norm_ms": math.nan, "norm rms/ln": math.nan})
+                         dict.fromkeys(NORM_COLUMNS, math.nan))
             rows.append(_row(s, device, "eager", stats, ""))
             rows[-1].update(norms, ln_norm_share=norms["ln_norm_ms"] / rows[-1]["layernorm_ms"])
             if compile:

@@ -53,7 +53,7 @@ class _Hooked:
 
 def hook_overhead(repeats: int = 2000) -> float:
     """Seconds the two timing hooks add to one timed call: the median interval they measure around
-    an nn.Identity. It is the same for every module (0.65-0.68 µs on the Zen 5 EPYC), so norm_time
+    an nn.Identity. It is the same for every module (0.65-0.68 µs on the Zen 5 EPYC), so norm_times
     subtracts it per call; left in, it pulls a fast norm's ratio towards 1 at decode sizes."""
     ident, x = torch.nn.Identity(), torch.empty(0)
     hooked = _Hooked([ident])
@@ -95,11 +95,16 @@ def norm_times(runs: dict, repeats: int = NORM_REPEATS, tick=None, overhead: flo
     return out
 
 
+def median_ms(per_forward: list[float]) -> float:
+    """The median of norm_times' per-forward values (never below 0: the hook cost is subtracted)."""
+    return max(0.0, statistics.median(per_forward))
+
+
 def norm_time(model, run, repeats: int = NORM_REPEATS, tick=None, overhead: float | None = None) -> float:
     """The median over `repeats` forwards of norm_times for one model (ms). End-to-end medians of a
     small model move by a few percent between runs; this isolates the part of the forward the
     conversion changes."""
-    return max(0.0, statistics.median(norm_times({"m": (model, run)}, repeats, tick, overhead)["m"]))
+    return median_ms(norm_times({"m": (model, run)}, repeats, tick, overhead)["m"])
 
 
 def paired_norm_ratio(test: list[float], ref: list[float]) -> float:
@@ -169,7 +174,7 @@ def run(model_path=None, out_dir="benchmarks", dtypes=("float32", "bfloat16"), s
                 overhead = hook_overhead()
                 per_forward = norm_times({k: (m, cands[k]) for k, m in (("original", model), ("converted", converted))},
                                          tick=bar.step, overhead=overhead)
-                norm_ms = {k: max(0.0, statistics.median(v)) for k, v in per_forward.items()}
+                norm_ms = {k: median_ms(v) for k, v in per_forward.items()}
             ms = {k: v.median * 1e3 for k, v in s.items()}
             rows.append({"model": name or source["model"], "dtype": dname, "batch": batch, "seq": seq,
                          "original_ms": ms["original"], "converted_ms": ms["converted"], "naive_rms_ms": ms["naive"],
