@@ -27,7 +27,7 @@ static double now(){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t
 static int cmp(const void*a,const void*b){double x=*(double*)a,y=*(double*)b;return x<y?-1:x>y;}
 static double med(double*v,int n){qsort(v,n,sizeof(double),cmp);return v[n/2];}
 int main(int argc,char**argv){
-  if(argc<3){printf("usage: %s A.so B.so [threads] [dtype] [rounds]\n",argv[0]);return 2;}
+  if(argc<3){printf("usage: %s A.so B.so [threads] [dtype] [rounds] [fused]\n",argv[0]);return 2;}
   fw_t f[2];
   for(int k=0;k<2;k++){void*h=dlopen(argv[1+k],RTLD_NOW|RTLD_LOCAL); if(!h){printf("%s\n",dlerror());return 1;} f[k]=(fw_t)dlsym(h,"nf_forward");}
   int nth = argc>3?atoi(argv[3]):1; int dt = argc>4?atoi(argv[4]):0; int rounds = argc>5?atoi(argv[5]):40; int fused = argc>6?atoi(argv[6]):0;
@@ -51,7 +51,7 @@ int main(int argc,char**argv){
         else if(kk==3) f[0](dt,x,N,res,N,w,dt,0,0,0,sb[0],rstd,R,N,1e-5f,0,nth);
         else f[kk](dt,x,N,res,N,w,dt,0,0,y[kk],sb[kk],0,R,N,1e-5f,0,nth);}
       t[kk][r]=(now()-t0)/reps*1e6;}
-    volatile unsigned char sink=c[bytes-1]^c2[bytes-1]; (void)sink; /* keeps the copies from being optimised away */
+    volatile unsigned char sink=c[bytes-1]^(fused?c2[bytes-1]:0); (void)sink; /* keeps the copies from being optimised away */
     int same=memcmp(y[0],y[1],bytes)==0 && (!fused || memcmp(sb[0],sb[1],bytes)==0); double a=med(t[0],rounds),b=med(t[1],rounds),cp=med(t[2],rounds),st=med(t[3],rounds);
     printf("%5ldx%-5ld A %7.1f  B %7.1f  copy %7.1f  stats %7.1f  B/A %.3f  A/copy %.2f  B/copy %.2f  stats/copy %.2f  %s\n",
            R,N,a,b,cp,st,b/a,a/cp,b/cp,st/cp,same?"same":"DIFFERENT");
