@@ -151,7 +151,7 @@ static inline vf rt_f16(vf v) { return _mm512_cvtph_ps(_mm512_cvtps_ph(v, NF_F16
 static inline float nf_f16_to_f32(nf_f16 h) { return _cvtsh_ss(h); }
 #endif
 /* Streaming (non-temporal) store of one full float32 vector to a 64-byte-aligned address (only
- * the float32 backward uses them: nf_backward_streams). */
+ * float32 kernels use them: nf_backward_streams, nf_add_streams). */
 #define NF_HAVE_STREAM 1
 static inline void sts_f32(float *p, vf v) { _mm512_stream_ps(p, v); }
 
