@@ -1,4 +1,4 @@
-"""The README / docs/analyze.md table of families converted without an adapter (issue 13): each tiny
+"""The docs/families.md / docs/analyze.md table of families converted without an adapter (issue 13): each tiny
 random config of tests/analysis/auto_families.py is saved as a float32 checkpoint and converted by the CLI
 alone (`python -m normfold convert DIR --dry-run --json`, plus `--inputs` for another image size).
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Print the README's family table: for every adapter and tiny example (all heads), convert in
+"""Print the family table of docs/families.md: for every adapter and tiny example (all heads), convert in
 float64 and report norms converted / total, the measured float64 relative error, and whether the
 checkpoint reloads in stock transformers.
 

@@ -1,4 +1,4 @@
-"""Summarise `normfold bench ops` CSVs into the README's per-ISA table (ratios min–max over shapes).
+"""Summarise `normfold bench ops` CSVs into the per-ISA tables of docs/benchmarks.md (ratios min–max over shapes).
 
     python scripts/isa_summary.py benchmarks/isa-epyc-zen5/ops-avx2-t1-ops.csv benchmarks/isa-epyc-zen5/ops-avx2-t2-ops.csv
 

@@ -4,7 +4,7 @@ These tests reproduce that count with the paper's Algorithm 1, locate the assump
 (a LayerNorm's output counts as centred), and run BERTs in float64 to show what happens when the
 claimed norms are actually folded: the outputs change, while normfold's conversion (the embedding
 LayerNorm only) is exact. The claim holds only when every block norm's γ is constant across
-channels and mean(β) = 0. Numbers: docs/post-ln.md (scripts/post_ln_numbers.py prints them)."""
+channels and mean(β) = 0. Numbers: docs/post-ln.md (benchmarks/scripts/post_ln_numbers.py prints them)."""
 
 from __future__ import annotations
 

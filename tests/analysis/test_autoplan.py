@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 BY_KEY = {f.key: f for f in FAMILIES}
 # LayerNorms converted by the derived plan: (converted, total), and what the adapter-free analysis found
-# before issue 13 (README / docs/analyze.md list both).
+# before issue 13 (docs/families.md / docs/analyze.md list both).
 EXPECTED = {"dinov2": (5, 5), "dinov2-24px": (5, 5), "beit": (5, 5), "data2vec-vision": (4, 4), "vit-mae": (5, 5),
             "persimmon": (5, 9), "stablelm": (5, 5), "codegen": (3, 3), "mpt": (5, 5)}
 

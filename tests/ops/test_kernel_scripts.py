@@ -1,6 +1,6 @@
-"""The C measuring tools in scripts/ that docs/kernels-cpu.md cites still build against the current
-kernel sources and run: the forward A/B harness (scripts/kernel_forward_ab.c) agrees bit for bit
-with itself, plain and fused, and the normalize-pass floor (scripts/kernel_apply_floor.c) computes
+"""The C measuring tools in benchmarks/scripts/ that docs/kernels-cpu.md cites still build against the current
+kernel sources and run: the forward A/B harness (benchmarks/scripts/kernel_forward_ab.c) agrees bit for bit
+with itself, plain and fused, and the normalize-pass floor (benchmarks/scripts/kernel_apply_floor.c) computes
 y = x · 0.7 · w, each value rounded once (checked through ctypes against torch), and so differs from
 the norm in the harness."""
 
@@ -33,9 +33,9 @@ def tools(tmp_path_factory):
         subprocess.run([cc, "-O2", *args], check=True, capture_output=True, text=True, timeout=300)
 
     build("-shared", "-fPIC", *flags, f"-I{CSRC}", str(CSRC / "rmsnorm_cpu.c"), "-o", str(d / "A.so"), "-lm")
-    build("-shared", "-fPIC", *flags, f"-I{CSRC}", str(ROOT / "scripts" / "kernel_apply_floor.c"), "-o",
+    build("-shared", "-fPIC", *flags, f"-I{CSRC}", str(ROOT / "benchmarks" / "scripts" / "kernel_apply_floor.c"), "-o",
           str(d / "floor.so"))
-    build(str(ROOT / "scripts" / "kernel_forward_ab.c"), "-o", str(d / "fwd_ab"), "-ldl")
+    build(str(ROOT / "benchmarks" / "scripts" / "kernel_forward_ab.c"), "-o", str(d / "fwd_ab"), "-ldl")
     return d
 
 

@@ -145,7 +145,7 @@ def test_float64_conversion_exact_on_random_configs(family, data, target):
 def float32_errors(case: Case, to: str, options: dict):
     """Convert the case's model in float32. Returns None when refused, else (report, spread,
     {output: (converted error, original's own error)}), both errors against the float64 original.
-    Shared with scripts/float32_outlier_error.py."""
+    Shared with benchmarks/scripts/float32_outlier_error.py."""
     model = build(case, torch.float64)
     spread = outlier_spread(model, case)
     inputs = inputs_for(case, model)

@@ -1,6 +1,6 @@
 """Peak memory and time of `normfold verify` on a synthetic sharded checkpoint, measured from outside.
 
-    python scripts/measure_blockverify.py --dir /tmp/nf-big --shape gpt2-large [--in-memory]
+    python benchmarks/scripts/measure_blockverify.py --dir /tmp/nf-big --shape gpt2-large [--in-memory]
 
 Builds (once) a random GPT-2-shaped float32 checkpoint in 500 MB shards and its in-memory conversion,
 resharded the same way. Then it runs `normfold verify` in a child process under `/usr/bin/time -v`

@@ -8,7 +8,7 @@ Input: i.i.d. Gaussian tokens (nothing to filter), channels of equal scale or of
 (as in trained transformers). A filtered step records the running σ² in the window (eq. 19 and the
 authors' code). Prints the fraction of filtered steps; the table is in docs/unified-norm.md.
 
-    python scripts/un_filtration_rates.py
+    python benchmarks/scripts/un_filtration_rates.py
 """
 
 from __future__ import annotations

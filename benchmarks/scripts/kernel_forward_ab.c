@@ -6,7 +6,7 @@
  *   S=src/normfold/ops/csrc
  *   gcc -O3 -shared -fPIC -march=native -fopenmp $S/rmsnorm_cpu.c -I$S -o /tmp/A.so -lm
  *   gcc -O3 -shared -fPIC -march=native -fopenmp -DSOME_VARIANT $S/rmsnorm_cpu.c -I$S -o /tmp/B.so -lm
- *   gcc -O2 scripts/kernel_forward_ab.c -o /tmp/fwd_ab -ldl
+ *   gcc -O2 benchmarks/scripts/kernel_forward_ab.c -o /tmp/fwd_ab -ldl
  *   /tmp/fwd_ab /tmp/A.so /tmp/B.so [threads=1] [dtype: 0 f32, 1 bf16, 2 f16] [rounds=40] [fused=0]
  *
  * fused=1 times the fused residual add instead (s = x + r, y = norm(s)); the copy then copies x and

@@ -3,10 +3,10 @@
  * widened to float32, scaled twice, narrowed and stored, which every RMSNorm forward must do at
  * least once. No statistics pass. bfloat16 rounds as the kernel does for a bf16 weight (bf16q), on
  * the AVX2 path in the kernel's pair layout (nf_bf16pair.h). Built like the kernel library and passed to
- * scripts/kernel_forward_ab.c as B ("DIFFERENT" is expected):
+ * benchmarks/scripts/kernel_forward_ab.c as B ("DIFFERENT" is expected):
  *
  *   S=src/normfold/ops/csrc
- *   gcc -O3 -shared -fPIC -mavx2 -mfma -mf16c scripts/kernel_apply_floor.c -I$S -o /tmp/floor.so
+ *   gcc -O3 -shared -fPIC -mavx2 -mfma -mf16c benchmarks/scripts/kernel_apply_floor.c -I$S -o /tmp/floor.so
  *
  * Used for docs/kernels-cpu.md, "The half-precision forward in cache: the normalize pass alone".
  * Contiguous rows, weight in the input dtype or float32, no bias, one thread.

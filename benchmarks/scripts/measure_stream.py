@@ -2,7 +2,7 @@
 child, via wait4, which counts touched memory-mapped pages), wall time and GB/s, beside a plain copy of the
 same shards (the I/O floor) and the RSS of importing torch + transformers + normfold.
 
-    python scripts/measure_stream.py CHECKPOINT_DIR WORK_DIR [--keep]
+    python benchmarks/scripts/measure_stream.py CHECKPOINT_DIR WORK_DIR [--keep]
 
 Prints one JSON object; the issue's bound is baseline + 1.25 x largest shard + 0.5 GB.
 """
@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def run_child(cmd: list[str]) -> dict:

@@ -1,8 +1,8 @@
 """The float32 backward against its memory floor: RMSNorm's and LayerNorm's autograd backward vs
 `torch.add(dy, x, alpha=0.5)` (the same two reads and one write) and `x.clone()`.
 
-    OMP_NUM_THREADS=1 python scripts/backward_floor.py [--rounds 40]
-    NORMFOLD_CPU_ISA=avx2 OMP_NUM_THREADS=2 python scripts/backward_floor.py
+    OMP_NUM_THREADS=1 python benchmarks/scripts/backward_floor.py [--rounds 40]
+    NORMFOLD_CPU_ISA=avx2 OMP_NUM_THREADS=2 python benchmarks/scripts/backward_floor.py
 
 Interleaved rounds, medians in µs (docs/kernels-cpu.md, "Issue 12 targets on the Zen 5 EPYC").
 """

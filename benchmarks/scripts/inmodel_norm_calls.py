@@ -9,8 +9,8 @@ prints the median time per call at each norm position:
 
 docs/kernels-cpu.md, "Why the per-norm ratio is higher inside the model", cites its output.
 
-    python scripts/inmodel_norm_calls.py                       # float32, batch 1 x 128
-    python scripts/inmodel_norm_calls.py bfloat16 8 256
+    python benchmarks/scripts/inmodel_norm_calls.py                       # float32, batch 1 x 128
+    python benchmarks/scripts/inmodel_norm_calls.py bfloat16 8 256
 """
 
 import statistics

@@ -9,7 +9,7 @@ and prints, per family, the worst ratio over all outputs of
 separately for models without outliers and with ×1e3–1e4 outlier channels. The issue-11 bound is
 4 (+64 ulp for outputs whose own error is zero).
 
-    python scripts/float32_outlier_error.py [--cases 40] [--families gpt2,bert] [--json OUT]
+    python benchmarks/scripts/float32_outlier_error.py [--cases 40] [--families gpt2,bert] [--json OUT]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "properties")]
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 

@@ -5,8 +5,8 @@ real and structured text. Every run starts from the same initial weights; only t
 (`normfold.un.swap_layernorms`). Offline norms are evaluated the way they are deployed: in eval
 mode, with their running statistics (which is where BN-style train/eval mismatch shows).
 
-    python scripts/train_un_demo.py                     # ~40 s on one idle CPU core
-    python scripts/train_un_demo.py --methods ln un bn mabn pn --steps 200
+    python benchmarks/scripts/train_un_demo.py                     # ~40 s on one idle CPU core
+    python benchmarks/scripts/train_un_demo.py --methods ln un bn mabn pn --steps 200
 
 Writes docs/un-training.png and docs/un-training.json (curves, final numbers, UN filtration counts).
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def corpus(max_bytes: int = 3_000_000) -> tuple[torch.Tensor, torch.Tensor]:

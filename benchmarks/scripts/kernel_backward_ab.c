@@ -4,7 +4,7 @@
  *   S=src/normfold/ops/csrc
  *   gcc -O3 -shared -fPIC -march=native -fopenmp $S/rmsnorm_cpu.c -I$S -o /tmp/A.so -lm
  *   gcc -O3 -shared -fPIC -march=native -fopenmp -DSOME_VARIANT $S/rmsnorm_cpu.c -I$S -o /tmp/B.so -lm
- *   gcc -O2 scripts/kernel_backward_ab.c -o /tmp/bwd_ab -ldl
+ *   gcc -O2 benchmarks/scripts/kernel_backward_ab.c -o /tmp/bwd_ab -ldl
  *   /tmp/bwd_ab /tmp/A.so /tmp/B.so [threads=1] [dtype: 0 f32, 1 bf16, 2 f16] [rounds=40] [no dweight=0]
  *
  * (-mavx2 -mfma -mf16c instead of -march=native builds the AVX2 path.) Any library exporting

@@ -1,6 +1,6 @@
 /* Time nf_forward called directly (no Python, no ctypes): one thread, best of 7, per shape.
  *
- *   gcc -O3 -mavx2 -mfma -mf16c -fopenmp scripts/kernel_forward_bench.c \
+ *   gcc -O3 -mavx2 -mfma -mf16c -fopenmp benchmarks/scripts/kernel_forward_bench.c \
  *       src/normfold/ops/csrc/rmsnorm_cpu.c -Isrc/normfold/ops/csrc -o /tmp/kfb -lm
  *   /tmp/kfb 1      # bfloat16 forward (0 = float32, 2 = float16)
  *   /tmp/kfb 1 1    # the same with the fused residual add

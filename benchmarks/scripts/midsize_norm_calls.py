@@ -2,8 +2,8 @@
 inputs (16-64 K elements: one prompt of a small model), every dtype; the sizes where the kernel's
 thread count changes with NF_GRAIN (docs/kernels-cpu.md, "Threads for mid-sized inputs").
 
-    python scripts/midsize_norm_calls.py            # all threads torch uses
-    OMP_NUM_THREADS=1 python scripts/midsize_norm_calls.py
+    python benchmarks/scripts/midsize_norm_calls.py            # all threads torch uses
+    OMP_NUM_THREADS=1 python benchmarks/scripts/midsize_norm_calls.py
 """
 
 import torch
