@@ -85,6 +85,41 @@ def register_converted_handler(handler: ConvertedHandler) -> None:
     CONVERTED_HANDLER["handler"] = handler
 
 
+@dataclass(frozen=True)
+class Rotator:
+    """Residual-stream rotation on top of the rmsnorm variant (`convert(..., rotate=KIND)`), registered
+    by `normfold.rotate` (which imports this module). `apply(model, plan, options, report, kind, seed)`
+    converts and rotates in place; `output_map(report.structure.rotation, centred patterns)` returns a (name, tensor) ->
+    tensor map that brings the rotated model's stream outputs back to the original basis."""
+
+    apply: Callable[..., None]
+    output_map: Callable[..., Callable]
+
+
+ROTATOR: dict[str, Rotator] = {}
+
+
+def register_rotator(apply: Callable[..., None], output_map: Callable[..., Callable]) -> None:
+    ROTATOR["rotator"] = Rotator(apply, output_map)
+
+
+def _rotating_variant(variant: Variant, rotate: str, seed: int, keep_affine: bool) -> Variant:
+    if variant.name != "rmsnorm":
+        raise UnsupportedConversionError(f"--rotate works with --to rmsnorm (got --to {variant.name}): the "
+                                         "rotated stream is the Pre-RMSNorm one")
+    if keep_affine:
+        raise UnsupportedConversionError("--rotate needs every norm's γ folded into its readers; it cannot be "
+                                         "combined with --keep-affine")
+    if "rotator" not in ROTATOR:  # pragma: no cover - normfold/__init__ imports normfold.rotate
+        raise UnsupportedConversionError("rotation is not available (import normfold.rotate)")
+    rot = ROTATOR["rotator"]
+
+    def apply(model, plan, options, report):
+        rot.apply(model, plan, options, report, rotate, seed)
+
+    return Variant(variant.name, f"{variant.description}; residual stream rotated ({rotate}, seed {seed})", apply)
+
+
 # ---- checks -----------------------------------------------------------------------------------
 
 def check_finite(model: nn.Module) -> None:
@@ -387,7 +422,8 @@ def convert(model: nn.Module, to: str = "rmsnorm", *, keep_affine: bool = False,
             allow_new_bias: bool = False, adapter: Adapter | None = None, inplace: bool = False,
             verify: bool = True, inputs: dict | None = None, fp64_tol: float = 1e-9,
             progress: Progress | None = None, variant_options: dict | None = None,
-            auto: bool = False) -> tuple[nn.Module, ConversionReport]:
+            auto: bool = False, rotate: str | None = None,
+            rotate_seed: int = 0) -> tuple[nn.Module, ConversionReport]:
     """Convert `model` and return (converted model in eval mode, report).
 
     The original is not modified unless `inplace=True`. With `verify=True` (default) both models
@@ -399,11 +435,18 @@ def convert(model: nn.Module, to: str = "rmsnorm", *, keep_affine: bool = False,
     Without `adapter`, the registered adapter of the model's family is used; a model without one (or any
     model with `auto=True`) gets the plan `normfold.analyze` derives, traced on `inputs` (default: made
     from the config's modality, see `normfold.autoplan`).
+
+    `rotate` ("hadamard" or "orthogonal", seeded by `rotate_seed`): after the Pre-RMSNorm conversion with
+    every γ folded (final norms into their heads), rotate each residual stream by an orthogonal Q that
+    fixes the all-ones direction (`normfold.rotate`); refused with the reason where it cannot be exact.
     """
     say = progress or (lambda msg: None)
     if to not in VARIANTS:
         raise UnsupportedConversionError(f"unknown conversion target {to!r}; available: {', '.join(VARIANTS)}")
     variant = VARIANTS[to]
+    if rotate is not None:
+        variant = _rotating_variant(variant, rotate, rotate_seed, keep_affine)
+        fold_final = True  # the final norms' γ must leave the stream before it is rotated
     if variant_options and not variant.takes_options:
         raise UnsupportedConversionError(
             f"--to {to} takes no options (got {', '.join(sorted(variant_options))}); "
@@ -463,8 +506,9 @@ def convert(model: nn.Module, to: str = "rmsnorm", *, keep_affine: bool = False,
             return m.eval()
 
         skip = ("last_hidden_state", "hidden_states[-1]") if fold_final else ()
+        output_map = ROTATOR["rotator"].output_map(report.structure.rotation, centered_outputs(plan)) if rotate is not None else None
         report.verification = verify_conversion(
             original, target, inputs, reconvert=reconvert if variant.exact else None, fp64_tol=fp64_tol,
-            skip=skip, centered=centered_outputs(plan)).to_dict()
+            skip=skip, centered=centered_outputs(plan), output_map=output_map).to_dict()
         report.seconds["verify"] = round(time.perf_counter() - t1, 3)
     return target, report

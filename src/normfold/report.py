@@ -42,6 +42,9 @@ class Structure:
     untied: list[str] = field(default_factory=list)  # parameter names given their own storage
     # Pre-CRMSNorm: resized parameters, compress hooks, per-stream widths (normfold.compress.runtime)
     compression: dict = field(default_factory=dict)
+    # Residual-stream rotation (normfold.rotate): {"kind", "seed", "streams": [{"name", "width",
+    # "construction"}]}; the weights carry it, this records how to rebuild Q. Empty: not rotated.
+    rotation: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -53,7 +56,8 @@ class Structure:
                    recenter_before=list(d.get("recenter_before", [])),
                    added_bias=list(d.get("added_bias", [])),
                    untied=list(d.get("untied", [])),
-                   compression=dict(d.get("compression", {})))
+                   compression=dict(d.get("compression", {})),
+                   rotation=dict(d.get("rotation", {})))
 
 
 @dataclass

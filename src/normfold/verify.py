@@ -215,11 +215,17 @@ def stored_weights_tolerance(dtype: torch.dtype) -> float:
 
 # ---- the checks ------------------------------------------------------------------------------------
 
+def _mapped(outputs: dict[str, Tensor], output_map) -> dict[str, Tensor]:
+    return outputs if output_map is None else {k: output_map(k, v) for k, v in outputs.items()}
+
+
 def verify_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *, reconvert=None,
-                      fp64_tol: float = 1e-9, skip=(), centered=CENTERED_OUTPUTS) -> Verification:
+                      fp64_tol: float = 1e-9, skip=(), centered=CENTERED_OUTPUTS,
+                      output_map=None) -> Verification:
     """Run the checks described in the module docstring. `reconvert(model_fp64) -> converted_fp64`
     re-applies the conversion in float64 (None for conversions that are not output-equivalent); it
-    receives a private float64 copy of the original and may convert it in place."""
+    receives a private float64 copy of the original and may convert it in place. `output_map(name, t)`
+    maps each converted output before comparison (a rotated stream back to the original basis)."""
 
     dtype = working_dtype(converted)
     was_training = original.training
@@ -232,14 +238,14 @@ def verify_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *
             # The float64 copy is not needed once its outputs are known: `reconvert` may convert it in
             # place, so a check holds one float64 model at a time (peak memory ~2x the model less).
             conv64, orig64 = reconvert(orig64), None
-            d64 = diff_outputs(run_model(conv64, inputs), exact, skip, centered)
+            d64 = diff_outputs(_mapped(run_model(conv64, inputs), output_map), exact, skip, centered)
             del conv64
             worst = _worst(d64)
             fp64 = {**worst, "tolerance": fp64_tol, "passed": worst["max_rel_error"] <= fp64_tol,
                     "outputs": [asdict(d) for d in d64]}
         del orig64
         orig_w = run_model(original, inputs)
-        conv_w = run_model(converted, inputs)
+        conv_w = _mapped(run_model(converted, inputs), output_map)
     finally:
         original.train(was_training)
 

@@ -1,0 +1,222 @@
+"""Rotation-ready models (`normfold.convert(model, rotate="hadamard")`, `normfold convert --rotate`).
+
+After the Pre-RMSNorm conversion every norm reading a residual stream is an RMSNorm on a zero-mean
+input. Once no such norm multiplies by γ, the model is invariant under any orthogonal Q of the stream
+(SliceGPT's computational invariance): writers W ← W·Q, tables E ← E·Q, readers W ← Qᵀ·W, and
+RMSNorm(xQ) = RMSNorm(x)·Q. With Q fixing the all-ones direction (`algebra.rotation`), the stream stays
+zero-mean, so the rotated checkpoint reloads in stock transformers wherever the plain one does.
+
+Steps on the model, held in float64 throughout (one rounding back to the working dtype at the end):
+
+1. the Pre-RMSNorm conversion with the final norms folded (`convert.apply_rmsnorm`);
+2. every norm that still holds γ (a reader without a bias could not take β: GPT-2's bias-less lm_head
+   under ln_f) folds γ into its readers and keeps the bias β/γ: γ⊙n + β = (n + β/γ)⊙γ (needs γ_i ≠ 0);
+3. per stream, Q for its width (`algebra.rotation_matrix`, kind + seed): writers, tables and stream
+   parameters along their output axis, then re-centred (Q fixes 1 exactly in real arithmetic, this
+   removes float64 residue); readers along their input axis; kept norm biases. A tensor shared by two
+   places (a tie that survived the conversion) is rotated once: both ends need the same t·Q.
+
+Refused (`UnsupportedConversionError`, CLI exit 2), with the reason: streams that start with an explicit
+Recenter (a non-linear stem or a norm with an affine on the stream: BLOOM, Whisper, CLIP/SigLIP vision),
+LayerNorms the conversion keeps (Post-LN blocks, inputs not provably zero-mean), a γ that cannot be folded
+(a norm read by something that is not linear, or γ with zero entries) and models whose output is the
+stream itself (no head reads the final norm: its γ/β would have to act on the un-rotated stream).
+
+`report.structure.rotation` records kind, seed and per-stream width and construction; the weights carry
+the rotation, so `normfold.load` needs nothing else. Hidden-state outputs (output_hidden_states) are the
+rotated stream: `unrotate_outputs` maps them back (verification uses it).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+from torch import Tensor, nn
+
+from . import algebra
+from .adapters import ConversionPlan
+from .adapters.base import get
+from .convert import ConvertOptions, apply_rmsnorm, layernorm_names, register_rotator
+from .errors import UnsupportedConversionError
+from .modelinfo import working_dtype
+from .nn import RMSNorm
+from .report import ConversionReport
+from .verify import CENTERED_OUTPUTS
+
+__all__ = ["apply_rotation", "rotation_of", "unrotate_outputs", "stream_rotations"]
+
+def _refuse(why: str) -> UnsupportedConversionError:
+    return UnsupportedConversionError(f"cannot rotate this model exactly: {why}")
+
+
+def _check_plan(model: nn.Module, plan: ConversionPlan) -> None:
+    for stream in plan.streams:
+        explicit = list(stream.recenter_after) + list(stream.recenter_before)
+        if explicit:
+            raise _refuse(
+                f"stream {stream.name!r} is made zero-mean by an explicit Recenter at {', '.join(explicit)} (a "
+                "non-linear stem or a norm with an affine sitting on the stream). The stream it starts is not "
+                "written by linear maps only, so Q cannot be folded into its first writer; that would take an "
+                "explicit d×d rotation op after it (not implemented). Convert without --rotate.")
+
+
+def _check_no_layernorm_left(model: nn.Module, plan: ConversionPlan) -> None:
+    left = layernorm_names(model)
+    if left:
+        reasons = {k.path: k.reason for k in plan.kept}
+        detail = "; ".join(f"{n}: {reasons.get(n, 'not on a stream the adapter describes')}" for n in left[:4])
+        more = f" (and {len(left) - 4} more)" if len(left) > 4 else ""
+        raise _refuse(f"{len(left)} LayerNorm(s) stay LayerNorms ({detail}{more}). A LayerNorm with an affine "
+                      "does not commute with a rotation of its input (Post-LN blocks normalize the stream "
+                      "itself and write γ⊙n + β back to it).")
+
+
+def _fold_kept_gammas(model: nn.Module, plan: ConversionPlan, report: ConversionReport) -> int:
+    """Step 2: γ into the readers, β/γ stays. Returns #tensors edited."""
+    sites = {site.path: site for stream in plan.streams for site in stream.norms}
+    edited = 0
+    for rec in report.structure.norms:
+        if not rec.weight:
+            continue
+        site = sites.get(rec.name)
+        norm = get(model, rec.name)
+        readers = [get(model, r) for r in (site.readers if site else ())]
+        if not readers:
+            if site is not None and site.final:
+                raise _refuse(
+                    f"the model's output is the stream itself: no head reads the final norm {rec.name}, so its "
+                    "γ/β would act on the rotated stream and change the output. Rotate a model with its head "
+                    "(e.g. the *LMHeadModel / *ForCausalLM / *ForImageClassification class).")
+            raise _refuse(f"the γ of {rec.name} cannot be folded: its output is not read only by linear modules")
+        if not all(algebra.is_linear_reader(r) or algebra.is_conv_reader(r) for r in readers):
+            raise _refuse(f"the γ of {rec.name} cannot be folded: a reader of it is not a linear module")
+        gamma = norm.weight
+        if bool((gamma.detach() == 0).any()):
+            raise _refuse(f"the γ of {rec.name} has {int((gamma.detach() == 0).sum())} zero entries: β/γ is "
+                          "undefined, so β cannot stay behind while γ moves into the readers")
+        for path, reader in zip(site.readers, readers):
+            lay = algebra.layout_of(reader)
+            w = getattr(reader, lay.weight)
+            b = getattr(reader, lay.bias, None) if lay.bias else None
+            if algebra.is_conv_reader(reader):
+                new_w, _ = algebra.fold_affine_conv(w, b, gamma, None, reader.groups)
+            else:
+                new_w, _ = algebra.fold_affine(w, b, gamma, None, lay.in_dim)
+            with torch.no_grad():
+                w.copy_(new_w)
+            edited += 1
+        with torch.no_grad():
+            if norm.bias is not None:
+                norm.bias.copy_(algebra.unfold_gamma_bias(norm.bias, gamma))
+                edited += 1
+        norm.weight = None
+        rec.weight = False
+        rec.folded_into = list(site.readers)
+    return edited
+
+
+def _stream_width(model: nn.Module, norms) -> int:
+    widths = {int(get(model, s.path).normalized_shape[0]) for s in norms if isinstance(get(model, s.path), RMSNorm)}
+    if len(widths) != 1:
+        raise _refuse(f"the norms of one stream disagree on its width ({sorted(widths)})")
+    return widths.pop()
+
+
+def _stream_tensors(model: nn.Module, stream) -> list[tuple[nn.Parameter, int, bool]]:
+    """(parameter, stream axis, is a writer) of everything that touches this stream."""
+    out = []
+    for path in stream.writers:
+        obj = get(model, path)
+        if isinstance(obj, nn.Parameter):
+            out.append((obj, obj.dim() - 1, True))
+            continue
+        lay = algebra.layout_of(obj)
+        if lay is None:
+            raise _refuse(f"stream writer {path} is a {type(obj).__name__} with no known weight layout")
+        out.append((getattr(obj, lay.weight), lay.out_dim, True))
+        b = getattr(obj, lay.bias, None) if lay.bias else None
+        if b is not None:
+            out.append((b, b.dim() - 1, True))
+    for site in stream.norms:
+        norm = get(model, site.path)
+        if getattr(norm, "weight", None) is not None:
+            raise _refuse(f"{site.path} still multiplies by γ")
+        if getattr(norm, "bias", None) is not None:
+            out.append((norm.bias, 0, False))
+        for r in site.readers:
+            reader = get(model, r)
+            lay = algebra.layout_of(reader)
+            out.append((getattr(reader, lay.weight), lay.in_dim, False))
+    return out
+
+
+def stream_rotations(widths, kind: str, seed: int) -> dict[int, tuple[Tensor, str]]:
+    return {d: algebra.rotation_matrix(kind, d, seed) for d in sorted(set(widths))}
+
+
+def apply_rotation(model: nn.Module, plan: ConversionPlan, options: ConvertOptions, report: ConversionReport,
+                   kind: str, seed: int) -> None:
+    """Pre-LN -> rotated Pre-RMSNorm on `model` in place (see the module docstring)."""
+    if kind not in algebra.rotation.KINDS:
+        raise UnsupportedConversionError(f"unknown rotation {kind!r}; choose one of {', '.join(algebra.rotation.KINDS)}")
+    _check_plan(model, plan)
+    dtype = working_dtype(model)
+    model.to(torch.float64)
+    try:
+        apply_rmsnorm(model, plan, options, report)
+        _check_no_layernorm_left(model, plan)
+        report.tensors_edited += _fold_kept_gammas(model, plan, report)
+        widths = [_stream_width(model, s.norms) for s in plan.streams]
+        qs = stream_rotations(widths, kind, seed)
+        done: dict[int, int] = {}
+        streams = []
+        for stream, d in zip(plan.streams, widths):
+            q, used = qs[d]
+            for p, axis, writer in _stream_tensors(model, stream):
+                if id(p) in done:
+                    if done[id(p)] != d:
+                        raise _refuse(f"a parameter is shared by streams of widths {done[id(p)]} and {d}")
+                    continue
+                new = algebra.rotate_axis(p, q, axis)
+                if writer:
+                    new = algebra.center(new, axis)
+                with torch.no_grad():
+                    p.copy_(new)
+                done[id(p)] = d
+                report.tensors_edited += 1
+            streams.append({"name": stream.name, "width": d, "construction": used})
+        report.structure.rotation = {"kind": kind, "seed": int(seed), "streams": streams}
+        report.notes.append(
+            f"residual stream rotated ({kind}, seed {seed}; "
+            + ", ".join(f"{s['name']}: d={s['width']} {s['construction']}" for s in streams)
+            + "): hidden-state outputs are the rotated stream (normfold.rotate.unrotate_outputs maps them back)")
+    finally:
+        model.to(dtype)
+
+
+def rotation_of(structure_rotation: dict) -> dict[int, Tensor]:
+    """{width: Q} of a recorded rotation (report.structure.rotation)."""
+    if not structure_rotation:
+        return {}
+    kind, seed = structure_rotation["kind"], int(structure_rotation.get("seed", 0))
+    return {int(d): q for d, (q, _) in stream_rotations([s["width"] for s in structure_rotation["streams"]],
+                                                       kind, seed).items()}
+
+
+def unrotate_outputs(structure_rotation: dict, centered=CENTERED_OUTPUTS):
+    """(name, tensor) -> tensor: a stream-carrying output of the rotated model (its name matches one of the
+    fnmatch patterns `centered`, as in `report.centered_outputs`) back in the original basis, t·Qᵀ, for
+    `verify_conversion(output_map=...)`; other outputs unchanged."""
+    qs = rotation_of(structure_rotation)
+
+    def fn(name: str, t: Tensor) -> Tensor:
+        q = qs.get(int(t.shape[-1])) if t.dim() else None
+        if q is None or not any(fnmatch.fnmatchcase(name, p) for p in centered):
+            return t
+        return (t.to(torch.float64) @ q.T).to(t.dtype if t.dtype == torch.float64 else torch.float64)
+
+    return fn
+
+
+register_rotator(apply_rotation, unrotate_outputs)
