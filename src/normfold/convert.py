@@ -456,6 +456,9 @@ def convert(model: nn.Module, to: str = "rmsnorm", *, keep_affine: bool = False,
     handler = CONVERTED_HANDLER.get("handler")
     if handler is not None and (to == "layernorm" or handler.source_variant(model) != "layernorm"):
         # reverse conversions, paper 001 App. C
+        if rotate is not None:
+            raise UnsupportedConversionError("--rotate converts LayerNorm models; this model already carries "
+                                             "normfold norms (convert the original model with --rotate)")
         return handler.convert(model, to, inplace=inplace, verify=verify, inputs=inputs, fp64_tol=fp64_tol,
                                progress=progress, variant_options=variant_options)
     options = ConvertOptions(keep_affine=keep_affine, fold_final=fold_final, allow_new_bias=allow_new_bias,

@@ -83,6 +83,11 @@ def add_parser(sub) -> None:
     p.add_argument("--pad", action="store_true",
                    help="--to crmsnorm: keep every tensor d-wide with a zero last stream coordinate instead of d-1 "
                         "(paper 001 §3.4.2, for hardware that handles d-1 poorly)")
+    p.add_argument("--rotate", choices=["hadamard", "orthogonal"], default=None,
+                   help="rotate the residual stream by an orthogonal Q fixing the all-ones direction after the "
+                        "Pre-RMSNorm conversion (randomized Hadamard where the width has a construction, else a "
+                        "random orthogonal matrix); exact, for int8/int4 quantization (docs/rotation.md)")
+    p.add_argument("--rotate-seed", type=int, default=0, metavar="N", help="seed of the rotation (default 0)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="option of the conversion target, repeatable (--to un: M, M_grad, warmup, alpha, "
                         "outlier_filtration; e.g. --option warmup=500)")
@@ -208,7 +213,8 @@ def _run_in_memory(args) -> int:
         inputs = analysis.inputs  # the traced inputs (with the flags verify runs the model with)
     converted, report = convert(model, to=args.to, keep_affine=args.keep_affine, fold_final=args.fold_final,
                                 allow_new_bias=args.allow_new_bias, adapter=adapter, inputs=inputs,
-                                fp64_tol=args.fp64_tol, progress=progress, variant_options=options)
+                                fp64_tol=args.fp64_tol, progress=progress, variant_options=options,
+                                rotate=args.rotate, rotate_seed=args.rotate_seed)
     report.source = source
     v = report.verification
     # A variant that is not output-exact (--to un) has nothing to verify: its report says so.
