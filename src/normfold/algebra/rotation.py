@@ -23,64 +23,13 @@ import math
 import torch
 from torch import Tensor
 
+from ..ops.hadamard import hadamard_factor, hadamard_matrix  # noqa: F401  (re-exported)
+
 KINDS = ("hadamard", "orthogonal")
-
-
-def _is_prime(n: int) -> bool:
-    if n < 2:
-        return False
-    return all(n % p for p in range(2, int(math.isqrt(n)) + 1))
-
-
-def _paley_order(m: int) -> bool:
-    """m = q + 1 with q a prime ≡ 3 (mod 4): Paley's construction I gives a Hadamard matrix of order m."""
-    q = m - 1
-    return q % 4 == 3 and _is_prime(q)
-
-
-def hadamard_factor(d: int) -> tuple[int, int] | None:
-    """(m, k) with d = m·2^k and a Hadamard matrix of order m (m = 1, 2 or Paley q+1), or None."""
-    k = 0
-    while d % (2 ** (k + 1)) == 0:
-        k += 1
-    for kk in range(k, -1, -1):  # largest power of two first: the Paley core as small as possible
-        m = d // 2 ** kk
-        if m in (1, 2) or _paley_order(m):
-            return m, kk
-    return None
 
 
 def has_hadamard(d: int) -> bool:
     return hadamard_factor(d) is not None
-
-
-def _paley(m: int) -> Tensor:
-    q = m - 1
-    squares = {(i * i) % q for i in range(1, q)}
-    chi = torch.tensor([0.0] + [1.0 if i in squares else -1.0 for i in range(1, q)], dtype=torch.float64)
-    idx = (torch.arange(q).view(1, -1) - torch.arange(q).view(-1, 1)) % q
-    jac = chi[idx]  # Jacobsthal matrix Q[i, j] = χ(j − i), skew-symmetric for q ≡ 3 mod 4
-    s = torch.zeros(m, m, dtype=torch.float64)
-    s[0, 1:] = 1.0
-    s[1:, 0] = -1.0
-    s[1:, 1:] = jac
-    return torch.eye(m, dtype=torch.float64) + s
-
-
-def hadamard_matrix(d: int) -> Tensor:
-    """A ±1 Hadamard matrix H (H·Hᵀ = d·I) of order d, float64: Sylvester doubling of 1, 2 or a Paley
-    core of order q+1 (q prime ≡ 3 mod 4: 4, 8, 12, 20, 24, 32, 44, 48, 60, 68, 72, 80, 84, ...).
-    Raises ValueError when d has no such construction."""
-    f = hadamard_factor(d)
-    if f is None:
-        raise ValueError(f"no Hadamard construction implemented for order {d} (need m·2^k, m ∈ {{1, 2}} or "
-                         "m − 1 a prime ≡ 3 mod 4)")
-    m, k = f
-    h = torch.ones(1, 1, dtype=torch.float64) if m == 1 else (
-        torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64) if m == 2 else _paley(m))
-    for _ in range(k):
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h
 
 
 def random_signs(d: int, seed: int) -> Tensor:
