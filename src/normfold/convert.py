@@ -103,7 +103,7 @@ def register_rotator(apply: Callable[..., None], output_map: Callable[..., Calla
     ROTATOR["rotator"] = Rotator(apply, output_map)
 
 
-def _rotating_variant(variant: Variant, rotate: str, seed: int, keep_affine: bool) -> Variant:
+def _rotating_variant(variant: Variant, rotate: str, seed: int, keep_affine: bool, online: bool) -> Variant:
     if variant.name != "rmsnorm":
         raise UnsupportedConversionError(f"--rotate works with --to rmsnorm (got --to {variant.name}): the "
                                          "rotated stream is the Pre-RMSNorm one")
@@ -115,7 +115,7 @@ def _rotating_variant(variant: Variant, rotate: str, seed: int, keep_affine: boo
     rot = ROTATOR["rotator"]
 
     def apply(model, plan, options, report):
-        rot.apply(model, plan, options, report, rotate, seed)
+        rot.apply(model, plan, options, report, rotate, seed, online=online)
 
     return Variant(variant.name, f"{variant.description}; residual stream rotated ({rotate}, seed {seed})", apply)
 
@@ -422,8 +422,8 @@ def convert(model: nn.Module, to: str = "rmsnorm", *, keep_affine: bool = False,
             allow_new_bias: bool = False, adapter: Adapter | None = None, inplace: bool = False,
             verify: bool = True, inputs: dict | None = None, fp64_tol: float = 1e-9,
             progress: Progress | None = None, variant_options: dict | None = None,
-            auto: bool = False, rotate: str | None = None,
-            rotate_seed: int = 0) -> tuple[nn.Module, ConversionReport]:
+            auto: bool = False, rotate: str | None = None, rotate_seed: int = 0,
+            rotate_online: bool = False) -> tuple[nn.Module, ConversionReport]:
     """Convert `model` and return (converted model in eval mode, report).
 
     The original is not modified unless `inplace=True`. With `verify=True` (default) both models
@@ -439,13 +439,17 @@ def convert(model: nn.Module, to: str = "rmsnorm", *, keep_affine: bool = False,
     `rotate` ("hadamard" or "orthogonal", seeded by `rotate_seed`): after the Pre-RMSNorm conversion with
     every γ folded (final norms into their heads), rotate each residual stream by an orthogonal Q that
     fixes the all-ones direction (`normfold.rotate`); refused with the reason where it cannot be exact.
+    `rotate_online`: also an online Hadamard before every MLP down-projection (exact; the checkpoint then
+    needs `normfold.load`).
     """
     say = progress or (lambda msg: None)
     if to not in VARIANTS:
         raise UnsupportedConversionError(f"unknown conversion target {to!r}; available: {', '.join(VARIANTS)}")
     variant = VARIANTS[to]
+    if rotate_online and rotate is None:
+        raise UnsupportedConversionError("--rotate-online needs --rotate hadamard|orthogonal")
     if rotate is not None:
-        variant = _rotating_variant(variant, rotate, rotate_seed, keep_affine)
+        variant = _rotating_variant(variant, rotate, rotate_seed, keep_affine, rotate_online)
         fold_final = True  # the final norms' γ must leave the stream before it is rotated
     if variant_options and not variant.takes_options:
         raise UnsupportedConversionError(

@@ -372,6 +372,18 @@ def apply_structure(model: nn.Module, structure: Structure) -> nn.Module:
         if getattr(module, "bias", None) is None:
             out_features = module.weight.shape[0]
             module.bias = nn.Parameter(torch.zeros(out_features, dtype=module.weight.dtype))
+    for path in structure.rotation.get("online", []) if structure.rotation else []:  # online Hadamard inputs
+        from .algebra import layout_of
+        from .nn.online import add_input_hadamard
+
+        module = get(model, path)
+        lay = layout_of(module)
+        if lay is None or lay.in_dim is None:
+            raise CheckpointError(f"normfold.json: online rotation at {path}, which is not a linear module")
+        try:
+            add_input_hadamard(module, int(getattr(module, lay.weight).shape[lay.in_dim]))
+        except ValueError as exc:
+            raise CheckpointError(f"normfold.json: online rotation at {path}: {exc}") from None
     if structure.compression:  # Pre-CRMSNorm: resized writers/readers and compress hooks
         from .compress.runtime import apply_compression
 

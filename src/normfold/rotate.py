@@ -40,11 +40,14 @@ from .adapters.base import get
 from .convert import ConvertOptions, apply_rmsnorm, layernorm_names, register_rotator
 from .errors import UnsupportedConversionError
 from .modelinfo import working_dtype
+from .nn.online import add_input_hadamard
+from .ops.hadamard import hadamard_factor, hadamard_matrix
 from .nn import RMSNorm
 from .report import ConversionReport
 from .verify import CENTERED_OUTPUTS
 
-__all__ = ["apply_rotation", "rotation_of", "unrotate_outputs", "stream_rotations"]
+__all__ = ["apply_rotation", "rotation_of", "unrotate_outputs", "stream_rotations", "add_online_hadamard",
+           "mlp_down_projections"]
 
 def _refuse(why: str) -> UnsupportedConversionError:
     return UnsupportedConversionError(f"cannot rotate this model exactly: {why}")
@@ -156,8 +159,9 @@ def stream_rotations(widths, kind: str, seed: int) -> dict[int, tuple[Tensor, st
 
 
 def apply_rotation(model: nn.Module, plan: ConversionPlan, options: ConvertOptions, report: ConversionReport,
-                   kind: str, seed: int) -> None:
-    """Pre-LN -> rotated Pre-RMSNorm on `model` in place (see the module docstring)."""
+                   kind: str, seed: int, online: bool = False) -> None:
+    """Pre-LN -> rotated Pre-RMSNorm on `model` in place (see the module docstring); `online`: also an
+    online Hadamard before each MLP down-projection (`add_online_hadamard`)."""
     if kind not in algebra.rotation.KINDS:
         raise UnsupportedConversionError(f"unknown rotation {kind!r}; choose one of {', '.join(algebra.rotation.KINDS)}")
     _check_plan(model, plan)
@@ -191,8 +195,55 @@ def apply_rotation(model: nn.Module, plan: ConversionPlan, options: ConvertOptio
             f"residual stream rotated ({kind}, seed {seed}; "
             + ", ".join(f"{s['name']}: d={s['width']} {s['construction']}" for s in streams)
             + "): hidden-state outputs are the rotated stream (normfold.rotate.unrotate_outputs maps them back)")
+        if online:
+            done = add_online_hadamard(model, mlp_down_projections(model, report), report)
+            report.notes.append(f"online Hadamard before {len(done)} MLP down-projection(s) (fast Walsh-Hadamard "
+                                "op on their input, weights rotated to match): load with normfold.load")
     finally:
         model.to(dtype)
+
+
+def add_online_hadamard(model: nn.Module, paths: list[str], report: ConversionReport | None = None) -> list[str]:
+    """Online Hadamard before each linear at `paths` (exact): its input becomes x·H/√n at run time
+    (`nn.online.add_input_hadamard`, the fast Walsh–Hadamard op) and its weight W·H/√n along the input
+    axis (float64, one rounding). Widths without a Hadamard construction are skipped. Returns the paths
+    done; with `report`, records them in structure.rotation["online"] (replayed by normfold.load) and
+    marks the checkpoint not stock-reloadable (stock transformers would run the rotated weights without
+    the rotation of their input)."""
+    done = []
+    for path in paths:
+        module = get(model, path)
+        lay = algebra.layout_of(module)
+        if lay is None or lay.in_dim is None:
+            raise UnsupportedConversionError(f"{path} is a {type(module).__name__}, not a linear module")
+        w = getattr(module, lay.weight)
+        n = int(w.shape[lay.in_dim])
+        if not hadamard_factor(n):
+            continue
+        h = hadamard_matrix(n) / n ** 0.5
+        with torch.no_grad():
+            w.copy_(algebra.rotate_axis(w, h, lay.in_dim))
+        add_input_hadamard(module, n)
+        done.append(path)
+    if report is not None and done:
+        report.structure.rotation.setdefault("online", []).extend(done)
+        report.stock_reloadable = False
+    return done
+
+
+def mlp_down_projections(model: nn.Module, report: ConversionReport) -> list[str]:
+    """Stream writers whose input is wider than the stream (the MLP down-projections)."""
+    out = []
+    widths = {s["width"] for s in report.structure.rotation.get("streams", [])}
+    for path in report.centered:
+        obj = get(model, path)
+        lay = None if isinstance(obj, nn.Parameter) else algebra.layout_of(obj)
+        if lay is None or lay.in_dim is None or not algebra.is_linear_reader(obj):
+            continue
+        w = getattr(obj, lay.weight)
+        if int(w.shape[lay.in_dim]) not in widths and int(w.shape[lay.out_dim]) in widths:
+            out.append(path)
+    return out
 
 
 def rotation_of(structure_rotation: dict) -> dict[int, Tensor]:

@@ -210,3 +210,40 @@ def test_cli_rotate(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "cannot rotate" in err and "Traceback" not in err
     assert not (tmp_path / "b").exists()
+
+
+ONLINE = [("gpt2", "tied", "GPT2LMHeadModel"), ("opt", "pre-ln", "OPTForCausalLM"),
+          ("gpt_neox", "parallel", "GPTNeoXForCausalLM"), ("phi", "partial-rotary", "PhiForCausalLM")]
+
+
+@pytest.mark.parametrize("case", ONLINE, ids=_ids(ONLINE))
+def test_online_hadamard_is_exact_reloads_and_exports(case, tmp_path):
+    adapter, model, inputs = _build(*case, torch.float64)
+    conv, report = normfold.convert(model, rotate="hadamard", rotate_online=True)
+    online = report.structure.rotation["online"]
+    assert online and not report.stock_reloadable
+    assert report.verification["fp64"]["max_rel_error"] <= 1e-9
+    qs = _qs(report)
+    ref, got = run_flat(model, inputs), run_flat(conv, inputs)
+    for name in ref:
+        if name not in _final_outputs(ref):
+            assert rel_err(_back(name, got[name], report, qs), _ref(name, ref[name], report)) <= 1e-9, name
+    # the down-projection really sees a rotated input: its weight differs from the plain rotation's
+    plain, _ = normfold.convert(model, rotate="hadamard", verify=False)
+    w_on = dict(conv.named_parameters())[online[0] + ".weight"]
+    w_pl = dict(plain.named_parameters())[online[0] + ".weight"]
+    assert (w_on - w_pl).abs().max() > 1e-3 * w_pl.abs().max()
+    out = normfold.save(conv, report, tmp_path / "out")
+    loaded = normfold.load(out)
+    for name, t in run_flat(loaded, inputs).items():
+        assert torch.equal(t, got[name]), name
+    ids = inputs["input_ids"]
+    ep = torch.export.export(loaded, (), {"input_ids": ids, "use_cache": False})
+    want = loaded(input_ids=ids, use_cache=False).logits
+    assert rel_err(ep.module()(input_ids=ids, use_cache=False).logits, want) <= 1e-9
+
+
+def test_online_needs_rotate():
+    _, model, _ = _build("gpt2", "tied", "GPT2LMHeadModel", torch.float32)
+    with pytest.raises(normfold.NormfoldError, match="--rotate-online needs --rotate"):
+        normfold.convert(model, rotate_online=True)

@@ -52,7 +52,8 @@ def blockers(args) -> list[str]:
         why.append(f"--to {args.to} (streaming converts --to rmsnorm only)")
     for flag, on in (("--inputs", getattr(args, "inputs", None)), ("--text", args.text), ("--auto", args.auto),
                      ("--option", args.option), ("--pad", args.pad), ("--dry-run", args.dry_run),
-                     ("--rotate", getattr(args, "rotate", None))):
+                     ("--rotate", getattr(args, "rotate", None)),
+                     ("--rotate-online", getattr(args, "rotate_online", False))):
         if on:
             why.append(f"{flag} needs the in-memory model")
     if args.dtype not in ("auto", None):
