@@ -275,7 +275,7 @@ def verify_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *
 
 
 def compare_models(reference: nn.Module, candidate: nn.Module, inputs: dict, *, skip=(),
-                   centered=CENTERED_OUTPUTS) -> Verification:
+                   centered=CENTERED_OUTPUTS, output_map=None) -> Verification:
     """`normfold verify ORIGINAL CONVERTED`: errors of a saved conversion against its original.
 
     Without the conversion recipe there is no exact float64 re-conversion: the float64 check runs
@@ -286,6 +286,7 @@ def compare_models(reference: nn.Module, candidate: nn.Module, inputs: dict, *, 
     stored = working_dtype(candidate)
     tol = stored_weights_tolerance(stored)
     return verify_conversion(reference, candidate, inputs, fp64_tol=tol, skip=skip, centered=centered,
+                             output_map=output_map,
                              reconvert=lambda _orig64: copy.deepcopy(candidate).to(torch.float64).eval())
 
 

@@ -247,3 +247,16 @@ def test_online_needs_rotate():
     _, model, _ = _build("gpt2", "tied", "GPT2LMHeadModel", torch.float32)
     with pytest.raises(normfold.NormfoldError, match="--rotate-online needs --rotate"):
         normfold.convert(model, rotate_online=True)
+
+
+def test_cli_verify_a_rotated_checkpoint(tmp_path, capsys):
+    from normfold.cli import main
+
+    _, model, _ = _build("gpt_neox", "parallel", "GPTNeoXForCausalLM", torch.float32)
+    model.save_pretrained(tmp_path / "src")
+    assert main(["convert", str(tmp_path / "src"), "--rotate", "hadamard", "--out", str(tmp_path / "out"), "-q"]) == 0
+    capsys.readouterr()
+    code = main(["verify", str(tmp_path / "src"), str(tmp_path / "out"), "--json", "-q"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert json.loads(out)["passed"]

@@ -240,7 +240,7 @@ def run(model_dir, out_dir, *, quick: bool = False, progress: bool = True, windo
 
     say = (lambda msg: print(f"[bench quant] {msg}", file=sys.stderr)) if progress else (lambda msg: None)
     t0 = time.perf_counter()
-    windows = windows or (4 if quick else 24)
+    windows = windows or (4 if quick else 16)
     batches = heldout_batches(windows, text=text)
     model, source = load_source(model_dir)
     model = model.float().eval()

@@ -60,12 +60,19 @@ def run(args) -> int:
     if _use_blockwise(args):
         return _run_blockwise(args)
     steps = Steps(total=3, quiet=args.quiet)
+    output_map, skip = None, ()
     steps.start("load", f"loading {args.original} and {args.converted}")
     original, _ = io.load_source(args.original, trust_remote_code=args.trust_remote_code)
     conv_path = Path(args.converted)
     if (conv_path / io.REPORT_FILE).is_file():
         converted = io.load(conv_path)
         centered = tuple(converted.normfold_report.centered_outputs) or CENTERED_OUTPUTS
+        rotation = converted.normfold_report.structure.rotation
+        if rotation:  # a rotated stream: compare in the original basis; the final norms' γ/β are in the heads
+            from ..rotate import unrotate_outputs
+
+            output_map = unrotate_outputs(rotation, centered)
+            skip = ("last_hidden_state", "hidden_states[-1]")
     else:
         converted, _ = io.load_source(args.converted, trust_remote_code=args.trust_remote_code)
         centered = CENTERED_OUTPUTS
@@ -83,7 +90,8 @@ def run(args) -> int:
 
             inputs = _default_inputs(original, gen)
     steps.start("verify", "running both models")
-    result = compare_models(original, converted, inputs, centered=centered).to_dict()
+    result = compare_models(original, converted, inputs, centered=centered, output_map=output_map,
+                            skip=skip).to_dict()
     steps.end()
     return _print_result(args, result)
 
