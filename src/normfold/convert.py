@@ -513,6 +513,8 @@ def convert(model: nn.Module, to: str = "rmsnorm", *, keep_affine: bool = False,
             return m.eval()
 
         skip = ("last_hidden_state", "hidden_states[-1]") if fold_final else ()
+        if rotate is not None:  # every final norm's output: its γ/β went into the heads (or, head-less, stayed)
+            skip = ("*last_hidden_state", "*hidden_states[-1]")
         output_map = ROTATOR["rotator"].output_map(report.structure.rotation, centered_outputs(plan)) if rotate is not None else None
         report.verification = verify_conversion(
             original, target, inputs, reconvert=reconvert if variant.exact else None, fp64_tol=fp64_tol,

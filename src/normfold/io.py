@@ -372,6 +372,8 @@ def apply_structure(model: nn.Module, structure: Structure) -> nn.Module:
         if getattr(module, "bias", None) is None:
             out_features = module.weight.shape[0]
             module.bias = nn.Parameter(torch.zeros(out_features, dtype=module.weight.dtype))
+    if structure.rotation:
+        _apply_rotation_hooks(model, structure.rotation)
     for path in structure.rotation.get("online", []) if structure.rotation else []:  # online Hadamard inputs
         from .algebra import layout_of
         from .nn.online import add_input_hadamard
@@ -389,6 +391,27 @@ def apply_structure(model: nn.Module, structure: Structure) -> nn.Module:
 
         apply_compression(model, structure.compression)
     return model
+
+
+def _apply_rotation_hooks(model: nn.Module, rotation: dict) -> None:
+    """The explicit stream rotations of a rotated checkpoint (normfold.rotate), Q rebuilt from kind + seed."""
+    from .algebra import rotation_matrix
+    from .nn.online import add_input_rotation, add_output_rotation
+
+    for e in rotation.get("explicit", []):
+        try:
+            q, _ = rotation_matrix(str(rotation["kind"]), int(e["width"]), int(rotation.get("seed", 0)))
+            module = get(model, str(e["path"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CheckpointError(f"normfold.json: bad explicit rotation entry {e!r}: {exc}") from None
+        ref = next(iter(model.parameters()), None)
+        q = (q.T if e.get("transpose") else q).contiguous().to(ref.dtype if ref is not None else torch.float32)
+        if e.get("where") == "output":
+            add_output_rotation(module, q)
+        elif e.get("where") == "input":
+            add_input_rotation(module, q)
+        else:
+            raise CheckpointError(f"normfold.json: explicit rotation at {e.get('path')}: unknown place {e.get('where')!r}")
 
 
 @contextlib.contextmanager

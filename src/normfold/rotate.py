@@ -30,6 +30,8 @@ rotated stream: `unrotate_outputs` maps them back (verification uses it).
 from __future__ import annotations
 
 import fnmatch
+import re
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -40,7 +42,7 @@ from .adapters.base import get
 from .convert import ConvertOptions, apply_rmsnorm, layernorm_names, register_rotator
 from .errors import UnsupportedConversionError
 from .modelinfo import working_dtype
-from .nn.online import add_input_hadamard
+from .nn.online import add_input_hadamard, add_input_rotation, add_output_rotation
 from .ops.hadamard import hadamard_factor, hadamard_matrix
 from .nn import RMSNorm
 from .report import ConversionReport
@@ -53,19 +55,53 @@ def _refuse(why: str) -> UnsupportedConversionError:
     return UnsupportedConversionError(f"cannot rotate this model exactly: {why}")
 
 
-def _check_plan(model: nn.Module, plan: ConversionPlan) -> None:
+_BLOCK = re.compile(r"\.\d+(\.|$)")
+
+
+@dataclass
+class _Points:
+    """Where a stream is not rotated through its weights: the writers and norms before an explicit
+    Recenter (they stay as they are), the explicit rotations x ← x·Q there, and final norms that keep γ/β
+    because no head reads them (their input is rotated back, x ← x·Qᵀ)."""
+
+    pre_writers: set = field(default_factory=set)
+    pre_norms: set = field(default_factory=set)
+    after: list = field(default_factory=list)  # modules whose output gets ·Q
+    before: list = field(default_factory=list)  # modules whose stream input gets ·Q
+    unrotate: list = field(default_factory=list)  # final norms whose input gets ·Qᵀ
+
+
+def _points(plan: ConversionPlan) -> list[_Points]:
+    out = []
     for stream in plan.streams:
-        explicit = list(stream.recenter_after) + list(stream.recenter_before)
-        if explicit:
-            raise _refuse(
-                f"stream {stream.name!r} is made zero-mean by an explicit Recenter at {', '.join(explicit)} (a "
-                "non-linear stem or a norm with an affine sitting on the stream). The stream it starts is not "
-                "written by linear maps only, so Q cannot be folded into its first writer; that would take an "
-                "explicit d×d rotation op after it (not implemented). Convert without --rotate.")
+        pts = _Points()
+        norms = {site.path for site in stream.norms} | {k.path for k in plan.kept}
+        if stream.recenter_after or stream.recenter_before:
+            for path in stream.recenter_after:
+                if path not in norms or _BLOCK.search(path):
+                    raise _refuse(
+                        f"stream {stream.name!r} is recentred explicitly after {path}, which is not the norm that "
+                        "starts the stream; where its output goes is not described, so no explicit rotation can "
+                        "be placed exactly")
+            for path in stream.recenter_before:
+                if not re.search(r"\.0$", path):
+                    raise _refuse(f"stream {stream.name!r} is recentred explicitly on the input of {path}, which is "
+                                  "not its first block")
+            for w in stream.writers:  # the stem: writers before the first block
+                if _BLOCK.search(w):
+                    break
+                pts.pre_writers.add(w)
+            pts.pre_norms = set(stream.recenter_after)
+            pts.after = list(stream.recenter_after)
+            pts.before = list(stream.recenter_before)
+        out.append(pts)
+    return out
 
 
-def _check_no_layernorm_left(model: nn.Module, plan: ConversionPlan) -> None:
-    left = layernorm_names(model)
+def _check_no_layernorm_left(model: nn.Module, plan: ConversionPlan, points: list[_Points]) -> None:
+    stems = {n for pts in points for n in pts.pre_norms}  # before an explicit Recenter: not rotated
+    off = {k.path for k in plan.kept if not k.on_stream}  # reads no residual stream: rotation leaves it alone
+    left = [n for n in layernorm_names(model) if n not in stems | off]
     if left:
         reasons = {k.path: k.reason for k in plan.kept}
         detail = "; ".join(f"{n}: {reasons.get(n, 'not on a stream the adapter describes')}" for n in left[:4])
@@ -75,22 +111,25 @@ def _check_no_layernorm_left(model: nn.Module, plan: ConversionPlan) -> None:
                       "itself and write γ⊙n + β back to it).")
 
 
-def _fold_kept_gammas(model: nn.Module, plan: ConversionPlan, report: ConversionReport) -> int:
-    """Step 2: γ into the readers, β/γ stays. Returns #tensors edited."""
-    sites = {site.path: site for stream in plan.streams for site in stream.norms}
+def _fold_kept_gammas(model: nn.Module, plan: ConversionPlan, report: ConversionReport,
+                      points: list[_Points]) -> int:
+    """Step 2: γ into the readers, β/γ stays. A final norm no head reads keeps γ/β and gets its input
+    rotated back (recorded in `points`); the norm starting a recentred stream keeps them too. Returns
+    #tensors edited."""
+    where = {site.path: (site, pts) for stream, pts in zip(plan.streams, points) for site in stream.norms}
     edited = 0
     for rec in report.structure.norms:
         if not rec.weight:
             continue
-        site = sites.get(rec.name)
+        site, pts = where.get(rec.name, (None, None))
+        if pts is not None and rec.name in pts.pre_norms:
+            continue
         norm = get(model, rec.name)
         readers = [get(model, r) for r in (site.readers if site else ())]
         if not readers:
             if site is not None and site.final:
-                raise _refuse(
-                    f"the model's output is the stream itself: no head reads the final norm {rec.name}, so its "
-                    "γ/β would act on the rotated stream and change the output. Rotate a model with its head "
-                    "(e.g. the *LMHeadModel / *ForCausalLM / *ForImageClassification class).")
+                pts.unrotate.append(rec.name)  # the model's output is the stream itself: keep γ/β, rotate back
+                continue
             raise _refuse(f"the γ of {rec.name} cannot be folded: its output is not read only by linear modules")
         if not all(algebra.is_linear_reader(r) or algebra.is_conv_reader(r) for r in readers):
             raise _refuse(f"the γ of {rec.name} cannot be folded: a reader of it is not a linear module")
@@ -126,10 +165,12 @@ def _stream_width(model: nn.Module, norms) -> int:
     return widths.pop()
 
 
-def _stream_tensors(model: nn.Module, stream) -> list[tuple[nn.Parameter, int, bool]]:
-    """(parameter, stream axis, is a writer) of everything that touches this stream."""
+def _stream_tensors(model: nn.Module, stream, pts: _Points) -> list[tuple[nn.Parameter, int, bool]]:
+    """(parameter, stream axis, is a writer) of everything that touches this stream through weights."""
     out = []
     for path in stream.writers:
+        if path in pts.pre_writers:
+            continue
         obj = get(model, path)
         if isinstance(obj, nn.Parameter):
             out.append((obj, obj.dim() - 1, True))
@@ -142,6 +183,8 @@ def _stream_tensors(model: nn.Module, stream) -> list[tuple[nn.Parameter, int, b
         if b is not None:
             out.append((b, b.dim() - 1, True))
     for site in stream.norms:
+        if site.path in pts.pre_norms or site.path in pts.unrotate:
+            continue
         norm = get(model, site.path)
         if getattr(norm, "weight", None) is not None:
             raise _refuse(f"{site.path} still multiplies by γ")
@@ -154,6 +197,11 @@ def _stream_tensors(model: nn.Module, stream) -> list[tuple[nn.Parameter, int, b
     return out
 
 
+def _module_params(model: nn.Module, path: str) -> list[nn.Parameter]:
+    obj = get(model, path)
+    return [obj] if isinstance(obj, nn.Parameter) else list(obj.parameters())
+
+
 def stream_rotations(widths, kind: str, seed: int) -> dict[int, tuple[Tensor, str]]:
     return {d: algebra.rotation_matrix(kind, d, seed) for d in sorted(set(widths))}
 
@@ -164,20 +212,25 @@ def apply_rotation(model: nn.Module, plan: ConversionPlan, options: ConvertOptio
     online Hadamard before each MLP down-projection (`add_online_hadamard`)."""
     if kind not in algebra.rotation.KINDS:
         raise UnsupportedConversionError(f"unknown rotation {kind!r}; choose one of {', '.join(algebra.rotation.KINDS)}")
-    _check_plan(model, plan)
+    points = _points(plan)
     dtype = working_dtype(model)
     model.to(torch.float64)
     try:
         apply_rmsnorm(model, plan, options, report)
-        _check_no_layernorm_left(model, plan)
-        report.tensors_edited += _fold_kept_gammas(model, plan, report)
+        _check_no_layernorm_left(model, plan, points)
+        report.tensors_edited += _fold_kept_gammas(model, plan, report, points)
         widths = [_stream_width(model, s.norms) for s in plan.streams]
         qs = stream_rotations(widths, kind, seed)
         done: dict[int, int] = {}
-        streams = []
-        for stream, d in zip(plan.streams, widths):
+        frozen = {id(p) for stream, pts in zip(plan.streams, points) for w in pts.pre_writers | pts.pre_norms
+                  for p in _module_params(model, w)}
+        streams, explicit = [], []
+        for stream, pts, d in zip(plan.streams, points, widths):
             q, used = qs[d]
-            for p, axis, writer in _stream_tensors(model, stream):
+            for p, axis, writer in _stream_tensors(model, stream, pts):
+                if id(p) in frozen:
+                    raise _refuse(f"a parameter of stream {stream.name!r} is shared with a stem that is not "
+                                  "rotated (tied tables on both sides of an explicit Recenter)")
                 if id(p) in done:
                     if done[id(p)] != d:
                         raise _refuse(f"a parameter is shared by streams of widths {done[id(p)]} and {d}")
@@ -189,8 +242,24 @@ def apply_rotation(model: nn.Module, plan: ConversionPlan, options: ConvertOptio
                     p.copy_(new)
                 done[id(p)] = d
                 report.tensors_edited += 1
+            for path in pts.after:
+                add_output_rotation(get(model, path), q)
+                explicit.append({"path": path, "where": "output", "width": d, "transpose": False})
+            for path in pts.before:
+                add_input_rotation(get(model, path), q)
+                explicit.append({"path": path, "where": "input", "width": d, "transpose": False})
+            for path in pts.unrotate:
+                add_input_rotation(get(model, path), q.T.contiguous())
+                explicit.append({"path": path, "where": "input", "width": d, "transpose": True})
             streams.append({"name": stream.name, "width": d, "construction": used})
         report.structure.rotation = {"kind": kind, "seed": int(seed), "streams": streams}
+        if explicit:
+            report.structure.rotation["explicit"] = explicit
+            report.stock_reloadable = False
+            report.notes.append(
+                "explicit rotations (one d×d matmul per token each; the checkpoint needs normfold.load): "
+                + "; ".join(f"{e['path']} {e['where']} ·Q{'ᵀ (the final norm keeps γ/β: the output is the stream itself)' if e['transpose'] else ' (after the explicit Recenter: the stem is not linear)'}"
+                            for e in explicit))
         report.notes.append(
             f"residual stream rotated ({kind}, seed {seed}; "
             + ", ".join(f"{s['name']}: d={s['width']} {s['construction']}" for s in streams)

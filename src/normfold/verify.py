@@ -116,11 +116,14 @@ def _resolve_skip(names: list[str], skip) -> set[str]:
     """Skip entries may use negative indices ('hidden_states[-1]') or fnmatch patterns."""
     out = set()
     for pat in skip:
-        if pat.endswith("[-1]"):
-            stem = pat[:-4]
-            idx = [n for n in names if n.startswith(stem + "[") and n[len(stem) + 1:-1].isdigit()]
-            if idx:
-                out.add(max(idx, key=lambda n: int(n[len(stem) + 1:-1])))
+        if pat.endswith("[-1]"):  # the last entry of every tuple output whose name matches the stem pattern
+            last: dict[str, tuple[int, str]] = {}
+            for n in names:
+                stem, br, rest = n.rpartition("[")
+                if br and rest[:-1].isdigit() and rest.endswith("]") and fnmatch.fnmatchcase(stem, pat[:-4]):
+                    if stem not in last or int(rest[:-1]) > last[stem][0]:
+                        last[stem] = (int(rest[:-1]), n)
+            out.update(n for _, n in last.values())
         else:
             out.update(n for n in names if fnmatch.fnmatchcase(n, pat))
     return out

@@ -32,16 +32,22 @@ ROTATABLE = [
     ("deit", "rgb16-p4", "DeiTForImageClassificationWithTeacher"),
     ("clip", "text", "CLIPTextModelWithProjection"), ("siglip", "text", "SiglipTextModel"),
     ("siglip2", "text", "Siglip2TextModel"), ("whisper", "d24-untied-3x2", "WhisperForCausalLM"),
+    ("phi", "qk-layernorm-eps6", "PhiForCausalLM"),
+    # explicit rotations: after a Recenter (non-linear stem / a norm on the stream), before a head-less final norm
+    ("gpt2", "tied", "GPT2Model"), ("opt", "pre-ln", "OPTModel"), ("clip", "text", "CLIPTextModel"),
+    ("bloom", "tied", "BloomForCausalLM"), ("bloom", "untied-eps6-tp2", "BloomForCausalLM"),
+    ("clip", "vision", "CLIPVisionModelWithProjection"), ("clip", "dual-eps6-eos2", "CLIPModel"),
+    ("whisper", "d32", "WhisperForConditionalGeneration"), ("whisper", "d32", "WhisperModel"),
+    ("mbart", "d32-scaled", "MBartForConditionalGeneration"), ("mbart", "d24-3x2-untied", "MBartForConditionalGeneration"),
+    ("siglip", "vision-no-head-eps5", "SiglipVisionModel"),
 ]
+BASE = [c for c in ROTATABLE if c[2] in ("GPT2Model", "OPTModel", "CLIPTextModel", "WhisperModel", "SiglipVisionModel")]
 REFUSED = [
-    ("gpt2", "tied", "GPT2Model", "output is the stream itself"),
     ("opt", "post-ln-no-affine-350m-style", "OPTForCausalLM", "post-LN"),
-    ("bloom", "tied", "BloomForCausalLM", "explicit Recenter"),
     ("bert", "base", "BertForMaskedLM", "Post-LN"),
-    ("phi", "qk-layernorm-eps6", "PhiForCausalLM", "qk_layernorm"),
-    ("clip", "vision", "CLIPVisionModelWithProjection", "explicit Recenter"),
-    ("whisper", "d32", "WhisperForConditionalGeneration", "explicit Recenter"),
-    ("mbart", "d32-scaled", "MBartForConditionalGeneration", "explicit Recenter"),
+    ("bloom", "residual-post-layernorm", "BloomForCausalLM", "apply_residual_connection_post_layernorm"),
+    ("bart", "d32", "BartForConditionalGeneration", "Post-LN"),
+    ("siglip", "vision-map-head", "SiglipVisionModel", "not a linear module"),
 ]
 
 
@@ -98,7 +104,7 @@ def _final_outputs(names):
         m = re.fullmatch(r"(.*hidden_states)\[(\d+)\]", n)
         if m:
             last[m.group(1)] = max(last.get(m.group(1), -1), int(m.group(2)))
-    return {f"{k}[{i}]" for k, i in last.items()} | {n for n in names if n.split(".")[-1] == "last_hidden_state"}
+    return {f"{k}[{i}]" for k, i in last.items()} | {n for n in names if n.endswith("last_hidden_state")}
 
 
 def _ids(cases):
@@ -110,7 +116,12 @@ def _ids(cases):
 def test_rotated_float64_is_exact_on_every_output(case, kind):
     adapter, model, inputs = _build(*case, torch.float64)
     conv, report = normfold.convert(model, rotate=kind, rotate_seed=5, verify=False)
-    assert report.structure.rotation["kind"] == kind and report.stock_reloadable
+    explicit = report.structure.rotation.get("explicit", [])
+    assert report.structure.rotation["kind"] == kind and report.stock_reloadable == (not explicit)
+    if case in BASE:  # the output is the stream itself: its final norm keeps γ/β and reads the stream rotated back
+        assert any(e["transpose"] for e in explicit)
+        got_last = run_flat(conv, inputs)["last_hidden_state"]
+        assert rel_err(got_last, run_flat(model, inputs)["last_hidden_state"]) <= 1e-9
     qs = _qs(report)
     ref, got = run_flat(model, inputs), run_flat(conv, inputs)
     assert set(got) == set(ref)
@@ -148,6 +159,10 @@ def test_rotated_save_load_and_stock_reload(case, tmp_path):
     got = run_flat(conv, inputs)
     for name, t in run_flat(loaded, inputs).items():
         assert torch.equal(t, got[name]), name
+    if not report.stock_reloadable:
+        assert report.structure.rotation.get("explicit") or report.structure.rotation.get("online") or \
+            not normfold.convert(model, verify=False)[1].stock_reloadable
+        return
     stock = getattr(transformers, case[2]).from_pretrained(out).eval()
     assert not any(type(m).__module__.startswith("normfold") for m in stock.modules())
     qs = _qs(report)
@@ -160,6 +175,24 @@ def test_rotated_save_load_and_stock_reload(case, tmp_path):
         e = _ref(name, exact[name], report)
         base = rel_err(_ref(name, orig[name], report), e)
         assert rel_err(_back(name, re[name], report, qs), e) <= 4 * base + 64 * F32_EPS, name
+
+
+EXPLICIT_EXPORT = [("gpt2", "tied", "GPT2Model"), ("bloom", "tied", "BloomForCausalLM")]
+
+
+@pytest.mark.parametrize("case", EXPLICIT_EXPORT, ids=_ids(EXPLICIT_EXPORT))
+def test_explicit_rotations_reload_and_export(case, tmp_path):
+    adapter, model, inputs = _build(*case, torch.float32)
+    conv, report = normfold.convert(model, rotate="hadamard")
+    assert report.verification["passed"] and report.structure.rotation["explicit"]
+    loaded = normfold.load(normfold.save(conv, report, tmp_path / "out"))
+    got = run_flat(conv, inputs)
+    for name, t in run_flat(loaded, inputs).items():
+        assert torch.equal(t, got[name]), name
+    ids = inputs["input_ids"]
+    ep = torch.export.export(loaded, (), {"input_ids": ids, "use_cache": False})
+    want = loaded(input_ids=ids, use_cache=False)[0]
+    assert rel_err(ep.module()(input_ids=ids, use_cache=False)[0], want) <= 1e-5
 
 
 def test_width_without_hadamard_uses_a_random_orthogonal_rotation():
@@ -203,7 +236,7 @@ def test_cli_rotate(tmp_path, capsys):
     assert rep["structure"]["rotation"] == {"kind": "orthogonal", "seed": 3,
                                             "streams": [{"name": "decoder", "width": 24, "construction": "orthogonal"}]}
     assert rep["verification"]["passed"]
-    _, bloom, _ = _build("bloom", "tied", "BloomForCausalLM", torch.float32)
+    _, bloom, _ = _build("bert", "base", "BertForMaskedLM", torch.float32)
     bloom.save_pretrained(tmp_path / "bloom")
     capsys.readouterr()
     code = main(["convert", str(tmp_path / "bloom"), "--rotate", "hadamard", "--out", str(tmp_path / "b"), "-q"])

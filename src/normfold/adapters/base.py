@@ -45,6 +45,9 @@ class NormSite:
 class KeptNorm:
     path: str
     reason: str
+    # False when the norm does not read a residual stream (Phi's per-head q/k norms read a projection's
+    # output; SigLIP's pooling head normalizes the pooled vector): a rotation of the stream leaves it alone.
+    on_stream: bool = True
 
 
 @dataclass

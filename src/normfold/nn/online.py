@@ -45,4 +45,42 @@ def has_input_hadamard(module: nn.Module) -> bool:
     return getattr(module, _MARK, None) is not None
 
 
-__all__ = ["add_input_hadamard", "has_input_hadamard", "Tensor"]
+__all__ = ["add_input_hadamard", "has_input_hadamard", "add_output_rotation", "add_input_rotation"]
+
+
+# ---- explicit stream rotations (x ← x·Q at a point where the stream is not written by linear maps) ----------
+
+_OUT_MARK = "_normfold_rotation_out_handle"
+_IN_MARK = "_normfold_rotation_in_handle"
+_Q_OUT = "_normfold_rotation_q_out"
+_Q_IN = "_normfold_rotation_q_in"
+
+
+def _rotate_output(module: nn.Module, args, output):
+    q = getattr(module, _Q_OUT)
+    return output @ q.to(output.dtype)
+
+
+def _rotate_stream_input(module: nn.Module, args, kwargs):
+    q = getattr(module, _Q_IN)
+    if args and isinstance(args[0], Tensor):
+        return (args[0] @ q.to(args[0].dtype), *args[1:]), kwargs
+    if isinstance(kwargs.get("hidden_states"), Tensor):
+        x = kwargs["hidden_states"]
+        return args, {**kwargs, "hidden_states": x @ q.to(x.dtype)}
+    raise TypeError(f"normfold: cannot find the stream input of {type(module).__name__} to rotate "
+                    "(expected a tensor as first argument or as hidden_states=)")
+
+
+def add_output_rotation(module: nn.Module, q: Tensor) -> None:
+    """`module`'s output becomes output·Q (Q: d×d, a non-persistent buffer). Idempotent."""
+    if getattr(module, _OUT_MARK, None) is None:
+        module.register_buffer(_Q_OUT, q.detach().clone(), persistent=False)
+        setattr(module, _OUT_MARK, module.register_forward_hook(_rotate_output))
+
+
+def add_input_rotation(module: nn.Module, q: Tensor) -> None:
+    """`module`'s stream input (first argument or hidden_states=) becomes x·Q. Idempotent."""
+    if getattr(module, _IN_MARK, None) is None:
+        module.register_buffer(_Q_IN, q.detach().clone(), persistent=False)
+        setattr(module, _IN_MARK, module.register_forward_pre_hook(_rotate_stream_input, with_kwargs=True))
