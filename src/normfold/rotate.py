@@ -16,15 +16,19 @@ Steps on the model, held in float64 throughout (one rounding back to the working
    removes float64 residue); readers along their input axis; kept norm biases. A tensor shared by two
    places (a tie that survived the conversion) is rotated once: both ends need the same t·Q.
 
-Refused (`UnsupportedConversionError`, CLI exit 2), with the reason: streams that start with an explicit
-Recenter (a non-linear stem or a norm with an affine on the stream: BLOOM, Whisper, CLIP/SigLIP vision),
-LayerNorms the conversion keeps (Post-LN blocks, inputs not provably zero-mean), a γ that cannot be folded
-(a norm read by something that is not linear, or γ with zero entries) and models whose output is the
-stream itself (no head reads the final norm: its γ/β would have to act on the un-rotated stream).
+Where the stream is not written by linear maps only (a stem recentred explicitly: BLOOM, mBART, CLIP
+vision, Whisper/SigLIP 2 first layers) the stem stays as it is and its output is rotated by an explicit
+x ← x·Q hook; a final norm that no head reads (base models: the output is the stream itself) keeps γ/β
+and reads x·Qᵀ. Both are recorded in structure.rotation["explicit"] (Q rebuilt from kind + seed at load).
 
-`report.structure.rotation` records kind, seed and per-stream width and construction; the weights carry
-the rotation, so `normfold.load` needs nothing else. Hidden-state outputs (output_hidden_states) are the
-rotated stream: `unrotate_outputs` maps them back (verification uses it).
+Refused (`UnsupportedConversionError`, CLI exit 2), with the reason: LayerNorms kept on a stream (Post-LN
+blocks; kept norms marked `on_stream=False` by their adapter do not count), a γ that cannot be folded (a
+norm read by something that is not linear, or γ with zero entries), a Recenter that does not start its
+stream.
+
+`report.structure.rotation` records kind, seed and per-stream width and construction. Hidden-state
+outputs (output_hidden_states) are the rotated stream: `unrotate_outputs` maps them back (verification
+uses it).
 """
 
 from __future__ import annotations

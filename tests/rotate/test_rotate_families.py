@@ -293,3 +293,11 @@ def test_cli_verify_a_rotated_checkpoint(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert json.loads(out)["passed"]
+
+
+def test_zero_gamma_that_must_stay_is_refused():
+    _, model, _ = _build("gpt2", "tied", "GPT2LMHeadModel", torch.float32)
+    with torch.no_grad():
+        model.transformer.ln_f.weight[3] = 0.0  # lm_head has no bias: β stays as β/γ
+    with pytest.raises(normfold.NormfoldError, match="zero entries"):
+        normfold.convert(model, rotate="hadamard")
