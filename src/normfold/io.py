@@ -378,7 +378,9 @@ def apply_structure(model: nn.Module, structure: Structure) -> nn.Module:
         from .algebra import layout_of
         from .nn.online import add_input_hadamard
 
-        module = get(model, path)
+        module = dict(model.named_modules()).get(str(path))
+        if module is None:
+            raise CheckpointError(f"normfold.json: online rotation at {path!r}, which is not a module of this model")
         lay = layout_of(module)
         if lay is None or lay.in_dim is None:
             raise CheckpointError(f"normfold.json: online rotation at {path}, which is not a linear module")
@@ -398,11 +400,21 @@ def _apply_rotation_hooks(model: nn.Module, rotation: dict) -> None:
     from .algebra import rotation_matrix
     from .nn.online import add_input_rotation, add_output_rotation
 
-    for e in rotation.get("explicit", []):
+    modules = dict(model.named_modules())
+    widths = {int(getattr(m, "normalized_shape", (0,))[-1]) for m in modules.values() if hasattr(m, "normalized_shape")}
+    explicit = rotation.get("explicit", [])
+    if not isinstance(explicit, list):
+        raise CheckpointError("normfold.json: structure.rotation.explicit must be a list")
+    for e in explicit:
         try:
-            q, _ = rotation_matrix(str(rotation["kind"]), int(e["width"]), int(rotation.get("seed", 0)))
-            module = get(model, str(e["path"]))
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            if not isinstance(e, dict) or set(e) - {"path", "where", "width", "transpose"}:
+                raise ValueError("unknown or missing fields")
+            width = int(e["width"])
+            if width not in widths:  # also bounds the d×d matrix built below
+                raise ValueError(f"width {width} is not the width of any norm of this model")
+            module = modules[str(e["path"])]
+            q, _ = rotation_matrix(str(rotation["kind"]), width, int(rotation.get("seed", 0)))
+        except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"normfold.json: bad explicit rotation entry {e!r}: {exc}") from None
         ref = next(iter(model.parameters()), None)
         q = (q.T if e.get("transpose") else q).contiguous().to(ref.dtype if ref is not None else torch.float32)

@@ -301,3 +301,20 @@ def test_zero_gamma_that_must_stay_is_refused():
         model.transformer.ln_f.weight[3] = 0.0  # lm_head has no bias: β stays as β/γ
     with pytest.raises(normfold.NormfoldError, match="zero entries"):
         normfold.convert(model, rotate="hadamard")
+
+
+@pytest.mark.parametrize("bad", [
+    {"path": "h.0", "where": "output", "width": 10 ** 6, "transpose": False},
+    {"path": "ln_f.__class__", "where": "output", "width": 24, "transpose": False},
+    {"path": "ln_f", "where": "sideways", "width": 24, "transpose": False},
+    {"path": "ln_f", "where": "input", "width": 24, "extra": 1},
+])
+def test_hostile_rotation_records_are_refused(bad, tmp_path):
+    _, model, _ = _build("gpt2", "tied", "GPT2Model", torch.float32)
+    conv, report = normfold.convert(model, rotate="hadamard", verify=False)
+    out = normfold.save(conv, report, tmp_path / "out")
+    rep = json.loads((out / "normfold.json").read_text())
+    rep["structure"]["rotation"]["explicit"] = [bad]
+    (out / "normfold.json").write_text(json.dumps(rep))
+    with pytest.raises(normfold.NormfoldError, match="rotation"):
+        normfold.load(out)
