@@ -463,6 +463,12 @@ def convert(model: nn.Module, to: str = "rmsnorm", *, keep_affine: bool = False,
         if rotate is not None:
             raise UnsupportedConversionError("--rotate converts LayerNorm models; this model already carries "
                                              "normfold norms (convert the original model with --rotate)")
+        rotation = getattr(getattr(getattr(model, "normfold_report", None), "structure", None), "rotation", None)
+        if rotation and (rotation.get("explicit") or rotation.get("online")):
+            raise UnsupportedConversionError(
+                "this checkpoint's stream is rotated with explicit / online rotation ops (normfold.json "
+                "structure.rotation), which the reverse conversions do not carry over; convert the original "
+                "LayerNorm model instead")
         return handler.convert(model, to, inplace=inplace, verify=verify, inputs=inputs, fp64_tol=fp64_tol,
                                progress=progress, variant_options=variant_options)
     options = ConvertOptions(keep_affine=keep_affine, fold_final=fold_final, allow_new_bias=allow_new_bias,
