@@ -49,3 +49,20 @@ def test_outlier_model_targets():
         lq = Q.logits_of(Q.quantized(variants[f], 8, 8, "token"), batches)
         err[f] = float((lq - ref).norm() / ref.norm())
     assert err["rotated"] < err["plain"], err
+
+
+def test_cli_bench_quant_writes_tables(tmp_path, monkeypatch, capsys):
+    """The suite end to end on a tiny budget (random token windows instead of the KJV text)."""
+    from normfold.cli import main
+
+    monkeypatch.setattr(Q, "heldout_batches", lambda windows, text=None: [
+        torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))])
+    monkeypatch.setattr(Q, "CONFIGS", Q.CONFIGS[:2])
+    code = main(["bench", "quant", "--quick", "-q", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "Rotated vs plain" in out and "Crest factor" in out
+    rows = (tmp_path / "quant.csv").read_text().splitlines()
+    assert rows[0].startswith("model,form,config") and any("outlier-gpt2,rotated+online" in r for r in rows)
+    assert (tmp_path / "quant_crest.csv").is_file()
+    assert main(["bench", "quant", "--device", "cuda", "--out", str(tmp_path)]) == 2
