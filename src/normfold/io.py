@@ -28,6 +28,7 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -51,7 +52,7 @@ _AUXILIARY = re.compile(r"(tokenizer.*|vocab.*|merges\.txt|special_tokens_map\.j
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
-def _transformers():
+def transformers_module():
     try:
         import transformers
     except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -70,7 +71,7 @@ def _looks_like_hub_id(source: str) -> bool:
 
 def model_class(config):
     """The transformers class named in config.architectures (AutoModel's choice when absent)."""
-    transformers = _transformers()
+    transformers = transformers_module()
     for name in getattr(config, "architectures", None) or []:
         cls = getattr(transformers, name, None)
         if cls is not None:
@@ -90,7 +91,7 @@ def load_source(source: str | os.PathLike | None, dtype: str | torch.dtype | Non
     disagree with the config are refused before transformers reads them.
 
     Returns (model in eval mode, source description)."""
-    transformers = _transformers()
+    transformers = transformers_module()
     bundled = source is None
     path = default_model_path() if bundled else Path(source)
     torch_dtype = _parse_dtype(dtype)
@@ -354,6 +355,18 @@ def read_report(path: str | os.PathLike) -> ConversionReport:
         raise CheckpointError(f"{f} is not a valid normfold report: {exc}") from exc
 
 
+# Parts of a recorded `Structure` that a higher layer knows how to rebuild (a target's own modules and
+# hooks): field name -> apply(model, part). `normfold.compress` registers "compression"; io imports none
+# of them, so the layers stay one-way.
+STRUCTURE_PARTS: dict[str, Callable[[nn.Module, object], None]] = {}
+
+
+def register_structure_part(field_name: str, apply: Callable[[nn.Module, object], None]) -> None:
+    """Make `apply_structure` (and so `normfold.load`) call `apply(model, structure.<field_name>)` when that
+    part of the recorded structure is non-empty."""
+    STRUCTURE_PARTS[field_name] = apply
+
+
 def apply_structure(model: nn.Module, structure: Structure) -> nn.Module:
     """Rebuild normfold's modules on a stock model: swap the recorded norms (taking their values from
     the loaded LayerNorms), re-attach Recenter ops and create added biases."""
@@ -388,10 +401,10 @@ def apply_structure(model: nn.Module, structure: Structure) -> nn.Module:
             add_input_hadamard(module, int(getattr(module, lay.weight).shape[lay.in_dim]))
         except ValueError as exc:
             raise CheckpointError(f"normfold.json: online rotation at {path}: {exc}") from None
-    if structure.compression:  # Pre-CRMSNorm: resized writers/readers and compress hooks
-        from .compress.runtime import apply_compression
-
-        apply_compression(model, structure.compression)
+    for field_name, apply_part in STRUCTURE_PARTS.items():  # e.g. Pre-CRMSNorm's resized writers/readers
+        part = getattr(structure, field_name, None)
+        if part:
+            apply_part(model, part)
     return model
 
 
@@ -446,7 +459,7 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> nn.
     """Load a checkpoint written by `normfold convert` / `normfold.save` with normfold's fast norms.
 
     The returned model (eval mode) has the report at `model.normfold_report`."""
-    transformers = _transformers()
+    transformers = transformers_module()
     path = Path(path)
     if not path.is_dir():
         raise ModelNotFoundError(f"{path}: no such directory")

@@ -43,7 +43,8 @@ from torch import Tensor, nn
 from . import algebra
 from .adapters import ConversionPlan
 from .adapters.base import get
-from .convert import ConvertOptions, apply_rmsnorm, layernorm_names, register_rotator
+from .convert import apply_rmsnorm, layernorm_names, register_rotator
+from .options import ConvertOptions
 from .errors import UnsupportedConversionError
 from .modelinfo import working_dtype
 from .nn.online import add_input_hadamard, add_input_rotation, add_output_rotation

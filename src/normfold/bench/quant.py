@@ -174,16 +174,16 @@ def outlier_gpt2(vocab: int = 2048, seed: int = 0) -> nn.Module:
 
 
 def forms(model: nn.Module, say) -> tuple[dict[str, nn.Module], dict[str, list[str]]]:
-    import normfold
-    from ..rotate import mlp_down_projections
+    from ..convert import convert
+    from ..rotate import mlp_down_projections  # importing normfold.rotate registers convert(rotate=...)
 
     out = {"original": model}
     say("converting (plain)")
-    out["plain"], _ = normfold.convert(model, verify=False)
+    out["plain"], _ = convert(model, verify=False)
     say("converting (rotated)")
-    out["rotated"], rep = normfold.convert(model, rotate="hadamard", verify=False)
+    out["rotated"], rep = convert(model, rotate="hadamard", verify=False)
     say("converting (rotated + online Hadamard)")
-    out["rotated+online"], rep_on = normfold.convert(model, rotate="hadamard", rotate_online=True, verify=False)
+    out["rotated+online"], _ = convert(model, rotate="hadamard", rotate_online=True, verify=False)
     readers = sorted({r for n in rep.structure.norms for r in n.folded_into})
     sites = {"stream readers": readers, "MLP down-proj": mlp_down_projections(out["rotated"], rep)}
     return out, sites
