@@ -22,6 +22,12 @@ cores alone, all graph optimisations):
 
 Every round runs each candidate once, in rotating order; X/ln is the median over rounds of the
 round's X time / ln time (paired), with its quartiles. ln-copy/ln is what "no difference" looks like.
+
+A second table times one norm op alone (x of GPT-2's 256 x 768 and ViT-S's 197 x 384; --quick: the
+first): LayerNormalization, RMSNormalization, the decomposed form, onnxruntime's
+SimplifiedLayerNormalization, and the residual-add forms Add + LayerNormalization,
+SkipLayerNormalization, Add + RMSNormalization, SkipSimplifiedLayerNormalization; each checked
+against a float64 reference.
 """
 
 from __future__ import annotations
@@ -36,13 +42,23 @@ import torch
 from torch import nn
 
 from .. import deploy
-from .results import write
+from .results import markdown, write
 from .timing import Bar, machine_info, measure, paired, ratio_verdict
 
 THREADS = 2
 CANDIDATES = ("ln", "ln-copy", "rms", "rms-decomp", "rms-sln", "crms", "no-norm", "ln-opt", "rms-opt")
 COLUMNS = ["model", "tokens", "ln_ms", "ln-copy/ln", "rms/ln", "rms-decomp/ln", "rms-sln/ln", "crms/ln", "no-norm/ln",
            "rms-opt/ln-opt", "ln-opt/ln", "rms_vs_ln", "aa_vs_ln", "rms_err"]
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    import csv
+
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows(rows)
 
 
 def _models(quick: bool):
@@ -103,6 +119,7 @@ def _session(path):
     so.inter_op_num_threads = 1
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.log_severity_level = 3  # errors only (not "removing unused initializer")
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
@@ -137,6 +154,113 @@ def _files(name, model, inputs, tmp: Path, progress) -> dict[str, Path]:
     return files
 
 
+# ---- single norm ops in onnxruntime -------------------------------------------------------------------
+
+OP_SHAPES = ((256, 768), (197, 384))
+OPS = ("LayerNormalization", "RMSNormalization", "decomposed", "SimplifiedLayerNormalization")
+FUSED = ("Add+LayerNormalization", "SkipLayerNormalization", "Add+RMSNormalization",
+         "SkipSimplifiedLayerNormalization")
+EPS = 1e-5
+
+
+def _op_graph(kind: str, t: int, d: int, path: Path) -> None:
+    """A one-norm ONNX model (opset 23, onnxruntime's com.microsoft ops where named) of input x
+    (and skip for the fused residual forms, which also return the sum)."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((1 + 0.1 * g.standard_normal(d)).astype(np.float32), "g"),
+             numpy_helper.from_array((0.1 * g.standard_normal(d)).astype(np.float32), "b")]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [t, d])
+    skip = helper.make_tensor_value_info("skip", TensorProto.FLOAT, [t, d])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [t, d])
+    s = helper.make_tensor_value_info("s", TensorProto.FLOAT, [t, d])
+    nodes, inputs, outputs = [], [x], [y]
+    ms = "com.microsoft"
+    if kind == "LayerNormalization":
+        nodes = [helper.make_node("LayerNormalization", ["x", "g", "b"], ["y"], axis=-1, epsilon=EPS)]
+    elif kind == "RMSNormalization":
+        nodes = [helper.make_node("RMSNormalization", ["x", "g"], ["y"], axis=-1, epsilon=EPS)]
+    elif kind == "SimplifiedLayerNormalization":
+        nodes = [helper.make_node("SimplifiedLayerNormalization", ["x", "g"], ["y"], axis=-1, epsilon=EPS)]
+    elif kind == "decomposed":  # what the exporter writes below opset 23 (aten.rms_norm's decomposition)
+        inits += [numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+                  numpy_helper.from_array(np.array([-1], np.int64), "axes"),
+                  numpy_helper.from_array(np.array(EPS, np.float32), "eps")]
+        nodes = [helper.make_node("Pow", ["x", "two"], ["sq"]),
+                 helper.make_node("ReduceMean", ["sq", "axes"], ["ms"], keepdims=1),
+                 helper.make_node("Add", ["ms", "eps"], ["mse"]),
+                 helper.make_node("Sqrt", ["mse"], ["rms"]),
+                 helper.make_node("Reciprocal", ["rms"], ["r"]),
+                 helper.make_node("Mul", ["x", "r"], ["n"]),
+                 helper.make_node("Mul", ["n", "g"], ["y"])]
+    else:
+        inputs, outputs = [x, skip], [y, s]
+        if kind == "Add+LayerNormalization":
+            nodes = [helper.make_node("Add", ["x", "skip"], ["s"]),
+                     helper.make_node("LayerNormalization", ["s", "g", "b"], ["y"], axis=-1, epsilon=EPS)]
+        elif kind == "Add+RMSNormalization":
+            nodes = [helper.make_node("Add", ["x", "skip"], ["s"]),
+                     helper.make_node("RMSNormalization", ["s", "g"], ["y"], axis=-1, epsilon=EPS)]
+        elif kind == "SkipLayerNormalization":
+            nodes = [helper.make_node("SkipLayerNormalization", ["x", "skip", "g", "b"], ["y", "", "", "s"],
+                                      domain=ms, epsilon=EPS)]
+        elif kind == "SkipSimplifiedLayerNormalization":
+            nodes = [helper.make_node("SkipSimplifiedLayerNormalization", ["x", "skip", "g"], ["y", "", "", "s"],
+                                      domain=ms, epsilon=EPS)]
+        else:
+            raise ValueError(kind)
+    graph = helper.make_graph(nodes, kind, inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid(ms, 1)])
+    model.ir_version = 10
+    onnx.save(model, str(path))
+
+
+def _op_reference(kind, x, skip, t, d):
+    """float64 reference of each graph's y (RMS forms: x / rms · g; LN forms: (x − μ)/σ · g + b)."""
+    import numpy as np
+
+    g = np.random.default_rng(0)
+    w = (1 + 0.1 * g.standard_normal(d)).astype(np.float32).astype(np.float64)
+    b = (0.1 * g.standard_normal(d)).astype(np.float32).astype(np.float64)
+    v = x.astype(np.float64) + (skip.astype(np.float64) if "Skip" in kind or "Add" in kind else 0)
+    if "Layer" in kind and "Simplified" not in kind:
+        c = v - v.mean(-1, keepdims=True)
+        return c / np.sqrt((c * c).mean(-1, keepdims=True) + EPS) * w + b
+    return v / np.sqrt((v * v).mean(-1, keepdims=True) + EPS) * w
+
+
+def run_ops(rounds: int, shapes=OP_SHAPES, tick=None) -> list[dict]:
+    import numpy as np
+
+    rows = []
+    for t, d in shapes:
+        rng = np.random.default_rng(1)
+        x = rng.standard_normal((t, d)).astype(np.float32)
+        skip = rng.standard_normal((t, d)).astype(np.float32)
+        with tempfile.TemporaryDirectory(prefix="normfold-bench-onnx-ops-") as tmp:
+            sessions, feeds, errs = {}, {}, {}
+            for kind in OPS + FUSED:
+                path = Path(tmp) / f"{kind}.onnx"
+                _op_graph(kind, t, d, path)
+                sessions[kind] = _session(path)
+                names = {i.name for i in sessions[kind].get_inputs()}
+                feeds[kind] = {k: v for k, v in (("x", x), ("skip", skip)) if k in names}
+                y = sessions[kind].run(None, feeds[kind])[0]
+                errs[kind] = _rel(y, _op_reference(kind, x, skip, t, d))
+            cands = {k: (lambda s=sessions[k], f=feeds[k]: s.run(None, f)) for k in sessions}
+            stats = measure(cands, rounds=rounds, warmup=5, min_time=2e-3, tick=tick)
+        for group, ref in ((OPS, "LayerNormalization"), (FUSED, "Add+LayerNormalization")):
+            for kind in group:
+                r = paired(stats[kind], stats[ref])
+                rows.append({"shape": f"{t}x{d}", "op": kind, "us": stats[kind].median * 1e6,
+                             f"/{'ln' if group is OPS else 'add+ln'}": r.median, "ratio_q25": r.q25,
+                             "ratio_q75": r.q75, "verdict": ratio_verdict(r), "max_rel_err": f"{errs[kind]:.1e}"})
+    return rows
+
+
 def _rel(a, b):
     import numpy as np
 
@@ -153,7 +277,9 @@ def run(out_dir, quick: bool = False, rounds: int | None = None, progress: bool 
     rounds = rounds or (7 if quick else 21)
     models = models or _models(quick)
     rows = []
-    bar = Bar(len(models) * (6 + rounds), "bench onnx", enabled=progress)
+    op_shapes = OP_SHAPES[:1] if quick else OP_SHAPES
+    bar = Bar(len(models) * (6 + rounds) + len(op_shapes) * rounds, "bench onnx", enabled=progress)
+    op_rows = run_ops(rounds, op_shapes, tick=bar.step)
     for name, model, inputs, tokens in models:
         _realistic(model)
         with tempfile.TemporaryDirectory(prefix="normfold-bench-onnx-") as tmp, warnings.catch_warnings():
@@ -174,7 +300,8 @@ def run(out_dir, quick: bool = False, rounds: int | None = None, progress: bool 
         row["rms_vs_ln"] = ratio_verdict(r["rms"])
         row["aa_vs_ln"] = ratio_verdict(r["ln-copy"])  # anything but "same" is the machine's noise
         for k in ("rms", "rms-decomp", "rms-sln", "crms", "rms-opt"):
-            row[f"{k}_err"] = _rel(first[k], first["ln"])  # max relative error against the original's ONNX
+            e = _rel(first[k], first["ln"])  # max relative error against the original's ONNX
+            row[f"{k}_err"] = f"{e:.1e}" if isinstance(e, float) else e
         row["rounds"] = rounds
         rows.append(row)
     bar.close()
@@ -187,6 +314,15 @@ def run(out_dir, quick: bool = False, rounds: int | None = None, progress: bool 
              "Pre-CRMSNorm, no-norm = norms removed (the floor); -opt = after onnxruntime's transformer "
              "optimizer (rms-opt from opset 18). Verdicts: 'slower'/'faster' when the paired ratio's "
              "quartile is past 1, else 'same'.\n")
+    op_cols = ["shape", "op", "us", "/ln", "/add+ln", "ratio_q25", "ratio_q75", "verdict", "max_rel_err"]
+    op_md = markdown(op_rows, op_cols, "onnxruntime: one norm op (float32)", machine)
+    op_notes = ("\nOne norm per graph, x of the shape shown (and a residual `skip` for the fused forms, which "
+                "also return the sum). /ln: paired ratio to LayerNormalization; /add+ln: to Add then "
+                "LayerNormalization. decomposed = what the exporter writes below opset 23; Simplified* and Skip* "
+                "are onnxruntime's com.microsoft ops (what its transformer optimizer fuses to). max_rel_err: "
+                "against a float64 reference.\n")
     paths = write(rows, "onnx", out_dir, machine, COLUMNS, "onnxruntime: converted vs original (float32)",
-                  extra=notes)
-    return rows, paths
+                  extra=notes + "\n" + op_md + op_notes)
+    write_csv(op_rows, Path(out_dir) / "onnx-ops.csv")
+    paths["ops_csv"] = Path(out_dir) / "onnx-ops.csv"
+    return rows + op_rows, paths
