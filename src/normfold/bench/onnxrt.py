@@ -111,11 +111,11 @@ def _rename_rmsnorm(src: Path, dst: Path) -> int:
     return n
 
 
-def _session(path):
+def _session(path, threads: int = THREADS):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
-    so.intra_op_num_threads = THREADS
+    so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
@@ -161,6 +161,9 @@ OPS = ("LayerNormalization", "RMSNormalization", "decomposed", "SimplifiedLayerN
 FUSED = ("Add+LayerNormalization", "SkipLayerNormalization", "Add+RMSNormalization",
          "SkipSimplifiedLayerNormalization")
 EPS = 1e-5
+# One thread for the single-op table: a norm call lasts ~0.1 ms, and waking a second (non-spinning)
+# thread per call on a shared 2-core machine made its timings swing by 2-6x between rounds.
+OP_THREADS = 1
 
 
 def _op_graph(kind: str, t: int, d: int, path: Path) -> None:
@@ -245,7 +248,7 @@ def run_ops(rounds: int, shapes=OP_SHAPES, tick=None) -> list[dict]:
             for kind in OPS + FUSED:
                 path = Path(tmp) / f"{kind}.onnx"
                 _op_graph(kind, t, d, path)
-                sessions[kind] = _session(path)
+                sessions[kind] = _session(path, OP_THREADS)
                 names = {i.name for i in sessions[kind].get_inputs()}
                 feeds[kind] = {k: v for k, v in (("x", x), ("skip", skip)) if k in names}
                 y = sessions[kind].run(None, feeds[kind])[0]
@@ -316,7 +319,7 @@ def run(out_dir, quick: bool = False, rounds: int | None = None, progress: bool 
              "quartile is past 1, else 'same'.\n")
     op_cols = ["shape", "op", "us", "/ln", "/add+ln", "ratio_q25", "ratio_q75", "verdict", "max_rel_err"]
     op_md = markdown(op_rows, op_cols, "onnxruntime: one norm op (float32)", machine)
-    op_notes = ("\nOne norm per graph, x of the shape shown (and a residual `skip` for the fused forms, which "
+    op_notes = ("\nOne norm per graph, one onnxruntime thread, x of the shape shown (and a residual `skip` for the fused forms, which "
                 "also return the sum). /ln: paired ratio to LayerNormalization; /add+ln: to Add then "
                 "LayerNormalization. decomposed = what the exporter writes below opset 23; Simplified* and Skip* "
                 "are onnxruntime's com.microsoft ops (what its transformer optimizer fuses to). max_rel_err: "
