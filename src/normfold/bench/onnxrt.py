@@ -73,7 +73,7 @@ def _models(quick: bool):
     if not quick:
         vit = transformers.ViTConfig(hidden_size=384, num_hidden_layers=12, num_attention_heads=6,
                                      intermediate_size=1536, image_size=224, patch_size=16)
-        out.append(("vit-s/16", transformers.ViTModel(vit, add_pooling_layer=False).eval(),
+        out.append(("vit-s/16", transformers.ViTModel(vit).eval(),
                     {"pixel_values": torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(0))}, 197))
     return out
 
@@ -281,7 +281,7 @@ def run(out_dir, quick: bool = False, rounds: int | None = None, progress: bool 
     models = models or _models(quick)
     rows = []
     op_shapes = OP_SHAPES[:1] if quick else OP_SHAPES
-    bar = Bar(len(models) * (6 + rounds) + len(op_shapes) * rounds, "bench onnx", enabled=progress)
+    bar = Bar(len(models) * (5 + rounds) + len(op_shapes) * rounds, "bench onnx", enabled=progress)
     op_rows = run_ops(rounds, op_shapes, tick=bar.step)
     for name, model, inputs, tokens in models:
         _realistic(model)

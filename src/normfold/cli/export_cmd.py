@@ -60,19 +60,12 @@ def add_parser(sub) -> None:
 def _inputs(model, args, model_dir):
     import torch
 
-    from ..adapters import find_adapter
-    from ..errors import UnsupportedModelError
-    from .convert_cmd import _text_inputs
+    from ..fuse import example_inputs
+    from .convert_cmd import text_inputs
 
     if args.text:
-        return _text_inputs(model_dir, args.text)
-    gen = torch.Generator().manual_seed(args.seed)
-    try:
-        return find_adapter(model).example_inputs(model, gen)
-    except UnsupportedModelError:
-        from ..adapters.base import _default_inputs
-
-        return _default_inputs(model, gen)
+        return text_inputs(model_dir, args.text)
+    return example_inputs(model, torch.Generator().manual_seed(args.seed))
 
 
 def _load(path):
@@ -175,13 +168,7 @@ def run(args) -> int:
               "optimized": args.optimize, "ops": info.op_counts,
               "onnx_vs_pytorch": _diff(got, want, ())}
     if original is not None:
-        import torch
-
-        from ..verify import flatten_outputs
-
         oinfo, ogot, owant = _export_checked(original, inputs, orig_out, args, steps, "original")
-        with torch.no_grad():
-            owant = flatten_outputs(original(**inputs, **deploy.call_kwargs(original)))
         result["original"] = {"onnx": str(orig_out), "ops": oinfo.op_counts,
                               "onnx_vs_pytorch": _diff(ogot, owant, ())}
         result["onnx_vs_original_pytorch"] = _diff(got, owant, centered)
