@@ -183,3 +183,31 @@ def test_torch_export_and_compile(adapter, tmp_path, kernel_sizes):
     with torch.no_grad():
         compiled = dict(zip(names, torch.compile(flat, backend="aot_eager", fullgraph=True)(*args)))
     assert max(output_errors(compiled, ref, report.centered_outputs).values()) <= TOL
+
+
+def test_plain_hf_model_exports_as_the_issue_wrote_it(tmp_path, kernel_sizes):
+    """The issue's call, no wrapper: torch.onnx.export(model, (ids,), path, dynamo=True) on the model
+    normfold.load builds (GPT-2; use_cache off, as the original needs with transformers 5)."""
+    need_onnx()
+    import contextlib
+    import io
+    import warnings
+
+    adapter = next(a for a in list_adapters() if a.name == "gpt2")
+    model = _original(adapter.examples[0], "GPT2LMHeadModel")
+    conv, report = _converted(model, "rmsnorm", "load", tmp_path)
+    ids = adapter.example_inputs(model, torch.Generator().manual_seed(0))["input_ids"]
+    for m in (model, conv):
+        m.config.use_cache = False
+    with torch.no_grad():
+        want = model(ids).logits
+        exact = model.double()(ids).logits
+        model.float()
+    bound = max(TOL, 2 * float((want.double() - exact).abs().max() / exact.abs().max()))
+    for opset in (18, 23):
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(conv, (ids,), str(tmp_path / "m.onnx"), dynamo=True, opset_version=opset)
+        got = run_ort(program, tmp_path / "m.onnx", [ids])[0]
+        assert float((torch.from_numpy(got) - want).abs().max() / want.abs().max()) <= bound
+        assert ("RMSNormalization" in op_types(program)) == (opset >= 23)

@@ -220,3 +220,35 @@ def test_compile_fullgraph_keeps_the_kernels(kernel_sizes):
         assert rel(g, w) <= TOL
     if KERNEL_ACTIVE:
         assert any("normfold.add_rms_norm_cpu" in t for t in seen)
+
+
+def test_exported_program_runs_without_normfold(tmp_path, kernel_sizes):
+    """A saved torch.export program of normfold's ops loads and runs in a process where normfold
+    cannot be imported (what ExecuTorch / AOTInductor packaging needs)."""
+    import subprocess
+    import sys
+
+    class All(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.add, self.c, self.r = AddRMSNorm(D, weight=False), CRMSNorm(D - 1, bias=True), Readers()
+
+        def forward(self, x, r):
+            s, y = self.add(x, r)
+            return (y, self.c(s[..., :-1]), *self.r(s, r))
+
+    model, (x, r) = _perturbed(All()), _inputs()
+    ep = torch.export.export(model, (x, r))
+    torch.export.save(ep, str(tmp_path / "ep.pt2"))
+    torch.save({"x": x, "r": r}, str(tmp_path / "in.pt"))
+    code = (
+        "import sys; sys.modules['normfold'] = None\n"  # any import of normfold now fails
+        "import torch\n"
+        f"ep = torch.export.load({str(tmp_path / 'ep.pt2')!r})\n"
+        f"d = torch.load({str(tmp_path / 'in.pt')!r})\n"
+        "out = ep.run_decompositions().module()(d['x'], d['r'])\n"
+        f"torch.save(list(out), {str(tmp_path / 'out.pt')!r})\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for g, w in zip(torch.load(str(tmp_path / "out.pt")), _reference(model, x, r)):
+        assert rel(g, w) <= TOL
