@@ -101,3 +101,13 @@ def test_missing_onnx_packages_is_a_clear_error(dirs, tmp_path, capsys, monkeypa
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnxscript" else real(name, *a))
     assert main(["export", str(dirs / "rms"), "--onnx", str(tmp_path / "m.onnx"), "-q"]) == 2
     assert "normfold[onnx]" in capsys.readouterr().err
+
+
+def test_export_crmsnorm_checkpoint(dirs, tmp_path, capsys):
+    assert main(["convert", str(dirs / "src"), "--to", "crmsnorm", "--out", str(tmp_path / "crms"), "-q"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "c.onnx"
+    assert main(["export", str(tmp_path / "crms"), "--onnx", str(out), "--original", "--json", "-q"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["passed"] and res["onnx_vs_pytorch"]["max_rel_error"] <= 1e-5
+    assert res["onnx_vs_original_pytorch"]["top1_agreement"] == 1.0
