@@ -11,8 +11,7 @@ registered backend (see `normfold.ops.registry`) that supports the input:
   compiler fuses itself;
 - CUDA tensors: the Triton kernels of `normfold.ops.triton_kernels` when triton is installed
   (NORMFOLD_TRITON=0 disables them);
-- anything else (float64, devices without a backend): the reference formula.
-
+- anything else (float64, devices without a backend): the reference formula;
 - while exporting (`torch.export`, `torch.onnx.export(dynamo=True)`): standard ATen ops
   (`normfold.ops.portable`: `aten.rms_norm`, hence ONNX `RMSNormalization` at opset ≥ 23), so the
   exported program runs without normfold.
