@@ -42,6 +42,12 @@ suites:
           training step time (forward + backward + AdamW) of LayerNorm vs normfold.train-prepared
           models: the bundled model (8x256) and ViT-S/16 (batch 8), eager and torch.compile
 
+  onnx    converted models in onnxruntime (2 threads, all graph optimisations, float32): the
+          original vs Pre-RMS (RMSNormalization at opset 23, decomposed at opset 18, onnxruntime's
+          SimplifiedLayerNormalization) vs Pre-CRMS vs the no-norm floor, and both after
+          onnxruntime's transformer optimizer; an A/A control (GPT-2 width x 4 layers at 256
+          tokens, ViT-S/16; --quick: GPT-2 x 2 layers at 128 tokens). Needs the onnx extra.
+
 on a GPU (one command each):
   normfold bench ops --device cuda     Triton kernels vs F.layer_norm / F.rms_norm /
                                        aten._fused_rms_norm / x.clone(), forward and backward
@@ -163,6 +169,12 @@ def _un(args):
     return un.run(args.out, batches=batches, rounds=args.rounds or (5 if args.quick else 10), progress=not args.quiet)
 
 
+def _onnx(args):
+    from ..bench import onnxrt
+
+    return onnxrt.run(args.out, quick=args.quick, rounds=args.rounds, progress=not args.quiet)
+
+
 def _train(args):
     from ..bench import train
 
@@ -186,7 +198,7 @@ def _train_speed(args):
 
 # suite name -> runner(args) -> (rows, written paths)
 SUITES = {"ops": _ops, "calls": _calls, "model": _model, "epilogue": _epilogue, "e2e": _e2e, "convert": _convert,
-          "un": _un, "train": _train, "train-speed": _train_speed, "quant": _quant}
+          "un": _un, "train": _train, "train-speed": _train_speed, "quant": _quant, "onnx": _onnx}
 
 
 # The options each suite honours; any other option given a non-default value is refused (exit 2)
@@ -202,6 +214,7 @@ ACCEPTS = {
     "train": {"quick", "steps", "text"},
     "train-speed": {"quick", "rounds", "no_compile", "dropout"},
     "quant": {"model", "quick", "text"},
+    "onnx": {"quick", "rounds"},
 }
 _DEFAULTS = {"model": None, "quick": False, "rounds": None, "device": "cpu", "compile": False, "models": None,
              "batches": None, "dtypes": None, "eager": False, "to": "rmsnorm",

@@ -133,6 +133,9 @@ def text_inputs(model_dir, text: str) -> dict:
     return {"input_ids": ids}
 
 
+text_inputs = _text_inputs  # the public name other subcommands import (normfold export)
+
+
 def parse_options(pairs: list[str]) -> dict:
     """--option KEY=VALUE pairs; values parsed as JSON where possible (500, 0.9, true), else strings."""
     import json
