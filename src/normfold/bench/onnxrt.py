@@ -124,7 +124,9 @@ def _session(path, threads: int = THREADS):
 
 
 def _files(name, model, inputs, tmp: Path, progress) -> dict[str, Path]:
-    import normfold
+    from .. import compress  # noqa: F401  (registers --to crmsnorm)
+    from ..convert import convert
+    from ..io import load, save
 
     files = {}
 
@@ -136,8 +138,8 @@ def _files(name, model, inputs, tmp: Path, progress) -> dict[str, Path]:
 
     export("ln", model, 23)
     for to in ("rmsnorm", "crmsnorm"):
-        conv, report = normfold.convert(model, to=to, verify=False)
-        loaded = normfold.load(normfold.save(conv, report, tmp / f"ckpt-{to}"))
+        conv, report = convert(model, to=to, verify=False)  # normfold.convert, .save, .load: the public API
+        loaded = load(save(conv, report, tmp / f"ckpt-{to}"))
         if to == "rmsnorm":
             export("rms", loaded, 23)
             export("rms-decomp", loaded, 18)

@@ -60,7 +60,7 @@ def add_parser(sub) -> None:
 def _inputs(model, args, model_dir):
     import torch
 
-    from ..fuse import example_inputs
+    from ..unified.fuse import example_inputs
     from .convert_cmd import text_inputs
 
     if args.text:
