@@ -50,7 +50,11 @@ class TensorInfo:
 
 
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict]:
-    """{name: TensorInfo} and the __metadata__ of one safetensors file."""
+    """{name: TensorInfo} and the __metadata__ of one safetensors file, its header validated first by
+    `checkpoint_guard.read_safetensors_header` (sizes, offsets, overlaps, dtypes: one set of checks)."""
+    from ..checkpoint_guard import read_safetensors_header
+
+    read_safetensors_header(Path(path))
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -156,8 +160,18 @@ def write_tensor(out_fd: int, tensor: torch.Tensor, offset: int) -> None:
     _write_all(out_fd, data, offset)
 
 
-def _write_all(fd: int, data, offset: int) -> None:
+def _write_all(fd, data, offset: int) -> None:
+    """pwrite all of `data` at `offset`; `fd` is a file descriptor or a `normfold.checkpoint.HashingSink`
+    (which hashes the bytes as they are written)."""
     view = memoryview(data).cast("B")
+    sink = None
+    if not isinstance(fd, int):
+        sink, fd = fd, fd.fd
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:done + CHUNK], offset + done)
+    if sink is not None:
+        sink.seen(view, offset)
+
+
+write_all = _write_all
