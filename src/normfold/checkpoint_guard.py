@@ -217,5 +217,5 @@ def check_shapes(info: CheckpointInfo, model) -> None:
     if bad:
         more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
         raise CheckpointError(
-            f"{info.directory}: weights do not match config.json: {'; '.join(bad[:3])}{more}. The config and the "
+            f"{info.directory}: weights do not match config.json (tensor shapes differ): {'; '.join(bad[:3])}{more}. The config and the "
             f"weights come from different models or versions: use the config.json published with these weights")

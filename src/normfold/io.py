@@ -45,6 +45,7 @@ from .report import ConversionReport, Structure
 STOCK_WEIGHTS = "model.safetensors"
 STOCK_INDEX = "model.safetensors.index.json"
 NORMFOLD_WEIGHTS = "normfold_model.safetensors"
+NORMFOLD_INDEX = "normfold_model.safetensors.index.json"
 REPORT_FILE = "normfold.json"
 # Files copied verbatim from the source model directory (tokenizer, processor, generation config),
 # each checked by the path policy (normfold.checkpoint.ModelDir).
@@ -579,13 +580,23 @@ def inspect_converted(path: str | os.PathLike):
     if stock:  # sharded: normfold.stream
         info = guard.inspect_checkpoint(path)
         tensors = {k: (e.dtype, e.shape) for k, e in info.tensors.items()}
-    elif directory.exists(NORMFOLD_WEIGHTS):
-        entries = guard.read_safetensors_header(directory.file(NORMFOLD_WEIGHTS))
-        tensors = {e.name: (e.dtype, e.shape) for e in entries}
+    elif directory.exists(NORMFOLD_WEIGHTS) or directory.exists(NORMFOLD_INDEX):
+        tensors = {e.name: (e.dtype, e.shape) for f in normfold_weight_files(directory)
+                   for e in guard.read_safetensors_header(f)}
     else:
         raise CheckpointError(f"{path} has neither {STOCK_WEIGHTS} nor {NORMFOLD_WEIGHTS}")
     check_report_fits(path, report, cls, config, tensors, stock)
     return report, config, cls, stock
+
+
+def normfold_weight_files(directory: ModelDir) -> list[Path]:
+    """The weight files of a checkpoint in normfold's own layout (one file, or shards with an index)."""
+    from .checkpoint import weight_files
+
+    found = weight_files(directory, NORMFOLD_INDEX, NORMFOLD_WEIGHTS)
+    if found is None:
+        raise CheckpointError(f"{directory.path} has neither {STOCK_WEIGHTS} nor {NORMFOLD_WEIGHTS}")
+    return found[0]
 
 
 def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> nn.Module:
@@ -605,7 +616,9 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> nn.
     else:
         from safetensors.torch import load_file
 
-        state = load_file(str(directory.file(NORMFOLD_WEIGHTS)))
+        state = {}
+        for f in normfold_weight_files(directory):
+            state.update(load_file(str(f)))
         # build in the stored dtype: load_state_dict copies into the existing parameters, so a float32
         # skeleton would round float64 weights before any later .to(float64)
         with _default_dtype(_stored_dtype(state)):

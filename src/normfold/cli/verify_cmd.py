@@ -121,7 +121,7 @@ def _run_integrity(args) -> int:
                               "normfold, before format 2); verify it against its original with `normfold verify "
                               "ORIGINAL CONVERTED`, or reconvert it")
     found = weight_files(directory, io.STOCK_INDEX, io.STOCK_WEIGHTS) if stock else None
-    files = found[0] if found else [directory.file(io.NORMFOLD_WEIGHTS)]
+    files = found[0] if found else io.normfold_weight_files(directory)
     rows = check_digests({f.name: f for f in files}, report.weight_files)
     steps.end()
     bad = [r for r in rows if r["status"] != "ok"]
