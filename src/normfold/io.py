@@ -366,7 +366,16 @@ def read_report(path: str | os.PathLike) -> ConversionReport:
     try:
         return ConversionReport.from_dict(data)
     except ReportSchemaError as exc:
-        raise ReportSchemaError(f"{f}: {exc}; re-download the checkpoint or reconvert the model") from None
+        raise _located(exc, f) from None
+
+
+def _located(exc: ReportSchemaError, report_path: Path) -> ReportSchemaError:
+    """The schema's message with the report's path instead of its bare name, and what to do."""
+    text = str(exc).removeprefix(f"{REPORT_FILE}: ").removeprefix(REPORT_FILE)
+    text = f"{report_path}{'' if text.startswith(' ') else ': '}{text}"
+    if "upgrade normfold" not in text and "reconvert" not in text:
+        text += "; re-download the checkpoint or reconvert the model"
+    return ReportSchemaError(text)
 
 
 MAX_REPORT_BYTES = 64 * 1024 * 1024  # a 48-block model's report is ~80 KB
@@ -531,13 +540,13 @@ def check_report_fits(path: Path, report: ConversionReport, cls, config, tensors
     if meta is None:
         raise CheckpointError(f"{path}: the model config.json describes cannot be built ({cls.__name__})")
     if report.architecture and report.architecture != cls.__name__:
-        raise ReportSchemaError(f"{path / REPORT_FILE} describes a {report.architecture[:80]}, but config.json builds "
+        raise ReportSchemaError(f"{REPORT_FILE}: it describes a {report.architecture[:80]}, but config.json builds "
                                 f"a {cls.__name__}; the report does not belong to these weights")
     if report.dtype not in ("",) + tuple(DTYPES):
-        raise ReportSchemaError(f"{path / REPORT_FILE}: dtype {report.dtype[:40]!r} is not one of {', '.join(DTYPES)}")
+        raise ReportSchemaError(f"{REPORT_FILE}: dtype {report.dtype[:40]!r} is not one of {', '.join(DTYPES)}")
     floats = {d for d, _ in tensors.values() if d in _ST_FLOATS}
     if report.dtype and floats and _ST_FLOATS_BY_NAME[report.dtype] not in floats:
-        raise ReportSchemaError(f"{path / REPORT_FILE} says the weights are {report.dtype}, but they are stored as "
+        raise ReportSchemaError(f"{REPORT_FILE}: it says the weights are {report.dtype}, but they are stored as "
                                 f"{', '.join(sorted(floats))}; the report does not belong to these weights")
     if stock:  # the stock layout: the norms' affines are stored as in the stock model
         guard.check_shapes(guard.CheckpointInfo(path, "safetensors", [], {
@@ -556,8 +565,8 @@ def check_report_fits(path: Path, report: ConversionReport, cls, config, tensors
         parts = ([f"shapes differ ({'; '.join(bad[:3])})"] if bad else []) + \
                 ([f"unexpected tensors {unexpected[:3]}"] if unexpected else []) + \
                 ([f"missing tensors {missing[:3]}"] if missing else [])
-        raise ReportSchemaError(f"{path}: the weights do not match config.json with the structure normfold.json "
-                                f"records: {', '.join(parts)}; the report, config and weights do not belong together")
+        raise ReportSchemaError(f"{REPORT_FILE}: the weights in {path} do not match config.json with the structure "
+                                f"it records: {', '.join(parts)}; the report, config and weights do not belong together")
 
 
 _ST_FLOATS_BY_NAME = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
@@ -585,7 +594,10 @@ def inspect_converted(path: str | os.PathLike):
                    for e in guard.read_safetensors_header(f)}
     else:
         raise CheckpointError(f"{path} has neither {STOCK_WEIGHTS} nor {NORMFOLD_WEIGHTS}")
-    check_report_fits(path, report, cls, config, tensors, stock)
+    try:
+        check_report_fits(path, report, cls, config, tensors, stock)
+    except ReportSchemaError as exc:
+        raise _located(exc, path / REPORT_FILE) from None
     return report, config, cls, stock
 
 

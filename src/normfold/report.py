@@ -355,7 +355,7 @@ def _describe(hint) -> str:
         return "an object"
     text = names.get(base, str(hint))
     if args and base is list:
-        text += f" of {_describe(args[0])}"
+        text += " of objects" if is_dataclass(args[0]) else f" of {_describe(args[0])}"
     return text
 
 
