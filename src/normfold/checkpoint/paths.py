@@ -40,13 +40,15 @@ _WHAT = ("normfold reads only files inside the model directory (or, for a Huggin
 
 
 def hf_cache_blobs(root: Path) -> Path | None:
-    """`.../models--X/blobs` when `root` (resolved) is a snapshot `.../models--X/snapshots/REV`, else None."""
-    snapshots = root.parent
-    repo = snapshots.parent
-    if snapshots.name != "snapshots" or not _CACHE_REPO.fullmatch(repo.name):
-        return None
-    blobs = repo / "blobs"
-    return blobs.resolve() if blobs.is_dir() else None
+    """`.../models--X/blobs` when `root` (resolved) is a snapshot `.../models--X/snapshots/REV` or a folder
+    inside one (`.../snapshots/REV/text_encoder`), else None."""
+    for snapshot in (root, *root.parents):
+        snapshots = snapshot.parent
+        repo = snapshots.parent
+        if snapshots.name == "snapshots" and _CACHE_REPO.fullmatch(repo.name):
+            blobs = repo / "blobs"
+            return blobs.resolve() if blobs.is_dir() else None
+    return None
 
 
 def _inside(path: Path, root: Path) -> bool:
