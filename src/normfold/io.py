@@ -29,12 +29,13 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 
 from . import checkpoint_guard as guard
-from .checkpoint import AUXILIARY, ModelDir, file_digest
+from .checkpoint import ModelDir, file_digest
 from .checkpoint.writer import can_write, save_safetensors
 from .adapters.base import get, parent_and_leaf
 from .errors import (CheckpointError, ModelNotFoundError, NormfoldError, NotAModelError, OutputExistsError,
@@ -48,13 +49,10 @@ STOCK_INDEX = "model.safetensors.index.json"
 NORMFOLD_WEIGHTS = "normfold_model.safetensors"
 NORMFOLD_INDEX = "normfold_model.safetensors.index.json"
 REPORT_FILE = "normfold.json"
-# Files copied verbatim from the source model directory (tokenizer, processor, generation config),
-# each checked by the path policy (normfold.checkpoint.ModelDir).
-_AUXILIARY = AUXILIARY
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
-def _transformers():
+def transformers_module():
     try:
         import transformers
     except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -73,7 +71,7 @@ def _looks_like_hub_id(source: str) -> bool:
 
 def model_class(config):
     """The transformers class named in config.architectures (AutoModel's choice when absent)."""
-    transformers = _transformers()
+    transformers = transformers_module()
     for name in getattr(config, "architectures", None) or []:
         cls = getattr(transformers, name, None)
         if cls is not None:
@@ -93,7 +91,7 @@ def load_source(source: str | os.PathLike | None, dtype: str | torch.dtype | Non
     disagree with the config are refused before transformers reads them.
 
     Returns (model in eval mode, source description)."""
-    transformers = _transformers()
+    transformers = transformers_module()
     bundled = source is None
     path = default_model_path() if bundled else Path(source)
     torch_dtype = _parse_dtype(dtype)
@@ -478,6 +476,18 @@ def validate_structure(model: nn.Module, structure: Structure) -> None:
                                     f"{tie['table']!r}, which has no table (a matrix weight)")
 
 
+# Parts of a recorded `Structure` that a higher layer knows how to rebuild (a target's own modules and
+# hooks): field name -> apply(model, part). `normfold.compress` registers "compression"; io imports none
+# of them, so the layers stay one-way.
+STRUCTURE_PARTS: dict[str, Callable[[nn.Module, object], None]] = {}
+
+
+def register_structure_part(field_name: str, apply: Callable[[nn.Module, object], None]) -> None:
+    """Make `apply_structure` (and so `normfold.load`) call `apply(model, structure.<field_name>)` when that
+    part of the recorded structure is non-empty."""
+    STRUCTURE_PARTS[field_name] = apply
+
+
 def apply_structure(model: nn.Module, structure: Structure) -> nn.Module:
     """Rebuild normfold's modules on a stock model: swap the recorded norms (taking their values from
     the loaded LayerNorms), re-attach Recenter ops and create added biases.
@@ -504,10 +514,10 @@ def apply_structure(model: nn.Module, structure: Structure) -> nn.Module:
                 out_features = module.weight.shape[0]
                 module.bias = nn.Parameter(torch.zeros(out_features, dtype=module.weight.dtype,
                                                        device=module.weight.device))
-        if structure.compression:  # Pre-CRMSNorm: resized writers/readers and compress hooks
-            from .compress.runtime import apply_compression
-
-            apply_compression(model, structure.compression)
+        for field_name, apply_part in STRUCTURE_PARTS.items():  # e.g. Pre-CRMSNorm's resized writers/readers
+            part = getattr(structure, field_name, None)
+            if part:
+                apply_part(model, part)
     except (ValueError, TypeError, KeyError, LookupError) as exc:  # e.g. an option value the module refuses
         raise ReportSchemaError(f"normfold.json: its structure cannot be rebuilt on {type(model).__name__}: "
                                 f"{_first_line(exc)}") from None
@@ -531,7 +541,7 @@ def _stored_dtype(state: dict) -> torch.dtype | None:
 
 
 def _read_config(path: Path):
-    transformers = _transformers()
+    transformers = transformers_module()
     try:
         return transformers.AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError, TypeError) as exc:

@@ -124,7 +124,7 @@ class TinyExample:
     """A tiny random configuration of a family (transformers class names + config kwargs).
 
     Used by the generic family tests (tests/adapters/test_families.py: float64 exactness on every
-    output, float32 error, stock reload, CLI) and by scripts/family_table.py for the README table."""
+    output, float32 error, stock reload, CLI) and by scripts/family_table.py for the table in docs/families.md."""
 
     name: str
     config: str
@@ -149,7 +149,7 @@ class Capabilities:
     post_ln: bool = False
 
 
-def _default_inputs(model: nn.Module, generator: torch.Generator, batch: int = 2, seq: int = 16) -> dict:
+def default_inputs(model: nn.Module, generator: torch.Generator, batch: int = 2, seq: int = 16) -> dict:
     cfg = model.config
     vocab = cfg.vocab_size
     max_pos = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None) or seq
@@ -175,7 +175,7 @@ class Adapter:
     plan: Callable[[nn.Module], ConversionPlan]
     model_types: tuple[str, ...] = ()
     model_classes: tuple[str, ...] = ()
-    example_inputs: Callable[[nn.Module, torch.Generator], dict] = _default_inputs
+    example_inputs: Callable[[nn.Module, torch.Generator], dict] = default_inputs
     check: Callable[[nn.Module], None] | None = None
     capabilities: Capabilities = Capabilities()
     examples: tuple[TinyExample, ...] = ()

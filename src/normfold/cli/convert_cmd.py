@@ -110,7 +110,7 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def _text_inputs(model_dir, text: str) -> dict:
+def text_inputs(model_dir, text: str) -> dict:
     from pathlib import Path
 
     from ..checkpoint import ModelDir
@@ -154,7 +154,7 @@ def run(args) -> int:
     from .. import io
     from ..convert import convert
     from ..errors import NormfoldError, VerificationFailedError
-    from ..stream.cli import maybe_stream
+    from .convert_stream import maybe_stream
 
     streamed = maybe_stream(args, summarize=summary)  # normfold.stream decides; None = in memory
     if streamed is not None:
@@ -178,19 +178,17 @@ def _run_in_memory(args) -> int:
     if args.out and not args.dry_run:
         io.check_output_dir(args.out, args.force)  # fail before any work
     options = parse_options(args.option)
-    if args.pad:
-        if args.to != "crmsnorm":
-            raise NormfoldError("--pad applies to --to crmsnorm only")
-        options["pad"] = True
+    if args.pad and args.to != "crmsnorm":
+        raise NormfoldError("--pad applies to --to crmsnorm only")
     steps = Steps(total=3 if args.dry_run else 4, quiet=args.quiet)
 
     steps.start("load", f"loading {args.model or 'the bundled default model (kjv-gpt2)'}")
     model, source = _load(args.model, args.dtype, trust_remote_code=args.trust_remote_code)
     inputs = None
     if args.text:
-        inputs = _text_inputs(source["path"] or args.model, args.text)
+        inputs = text_inputs(source["path"] or args.model, args.text)
     if getattr(args, "inputs", None):
-        from ..autoplan import load_inputs
+        from ..analysis.autoplan import load_inputs
 
         inputs = {**(inputs or {}), **load_inputs(args.inputs)}
     adapter, analysis = _adapter(model, args, inputs, steps)
@@ -213,7 +211,8 @@ def _run_in_memory(args) -> int:
         inputs = analysis.inputs  # the traced inputs (with the flags verify runs the model with)
     converted, report = convert(model, to=args.to, keep_affine=args.keep_affine, fold_final=args.fold_final,
                                 allow_new_bias=args.allow_new_bias, adapter=adapter, inputs=inputs,
-                                fp64_tol=args.fp64_tol, progress=progress, variant_options=options)
+                                fp64_tol=args.fp64_tol, progress=progress, variant_options=options,
+                                pad=bool(args.pad))
     report.source = source
     v = report.verification
     # A variant that is not output-exact (--to un) has nothing to verify: its report says so.
@@ -242,7 +241,7 @@ def _run_in_memory(args) -> int:
 
 def _adapter(model, args, inputs, steps):
     """The registered adapter, or (none registered / --auto) the plan derived from the analysis."""
-    from ..autoplan import resolve
+    from ..analysis.autoplan import resolve
 
     auto = getattr(args, "auto", False)
 
@@ -260,7 +259,7 @@ def _adapter(model, args, inputs, steps):
 
 def derived_summary(analysis) -> str:
     """Which norms the derived plan converted or kept, and why (the analysis' verdicts)."""
-    from ..autoplan import describe
+    from ..analysis.autoplan import describe
 
     lines = describe(analysis)
     head = f"\n  plan derived from the analysis ({analysis.tracer} trace, no hand-written adapter used):"

@@ -62,7 +62,7 @@ def run(args) -> int:
     from ..adapters import find_adapter
     from ..errors import NormfoldError, UnsupportedModelError
     from ..verify import CENTERED_OUTPUTS, compare_models
-    from .convert_cmd import _text_inputs
+    from .convert_cmd import text_inputs
 
     if args.converted is None:
         return _run_integrity(args)
@@ -82,15 +82,15 @@ def run(args) -> int:
         raise NormfoldError(f"ORIGINAL is a {type(original).__name__} but CONVERTED is a {type(converted).__name__}")
     steps.start("inputs", "preparing inputs")
     if args.text:
-        inputs = _text_inputs(args.original, args.text)
+        inputs = text_inputs(args.original, args.text)
     else:
         gen = torch.Generator().manual_seed(args.seed)
         try:
             inputs = find_adapter(original).example_inputs(original, gen)
         except UnsupportedModelError:
-            from ..adapters.base import _default_inputs
+            from ..adapters.base import default_inputs
 
-            inputs = _default_inputs(original, gen)
+            inputs = default_inputs(original, gen)
     steps.start("verify", "running both models")
     result = compare_models(original, converted, inputs, centered=centered).to_dict()
     steps.end()
@@ -163,9 +163,9 @@ def _run_blockwise(args) -> int:
 
     inputs = None
     if args.text:
-        from .convert_cmd import _text_inputs
+        from .convert_cmd import text_inputs
 
-        inputs = _text_inputs(args.original, args.text)
+        inputs = text_inputs(args.original, args.text)
     steps = Steps(total=1, quiet=args.quiet)
     steps.start("verify", f"verifying {args.converted} against {args.original} block by block")
 

@@ -63,10 +63,19 @@ def info() -> dict:
             "module_fast_path": registry.cpu_fast_path[0], "ln_route_max_numel": registry.LN_ROUTE_MAX_NUMEL}
 
 
-def prepare() -> None:
+def load_kernels() -> None:
     """Load (building if needed) the CPU kernel now rather than on the first call. torch.compile
     cannot load it while tracing, so normfold's nn modules call this when they are built."""
     cpu.library()
+
+
+def prepare() -> None:
+    """Deprecated name of `load_kernels` (it never prepared a model: that is `normfold.train.prepare`)."""
+    import warnings
+
+    warnings.warn("normfold.ops.prepare() is deprecated; use normfold.ops.load_kernels()", DeprecationWarning,
+                  stacklevel=2)
+    load_kernels()
 
 
 def reload_environment() -> None:

@@ -11,7 +11,7 @@ Two passes over one plan, both with the in-memory conversion's own code (normfol
    `apply` looks at, whether a norm's β is all zero, is read from the checkpoint beforehand.
 2. *Values*, on a second meta model: the edits are grouped into components (edits that share a
    parameter: a norm with its readers, a writer alone, ...). Each component's parameters are read
-   from the checkpoint into real tensors, the same edit functions (`fold_scales`, `center_writer`,
+   from the checkpoint into real tensors, the same edit functions (`fold_scales`, `center_writer_at`,
    `swap_norm`) run on them in plan order, the results are written and the modules go back to meta.
    Every output tensor therefore goes through the exact roundings of the in-memory path: the files
    hold the same bytes as `normfold.convert` + `normfold.save` (tests/stream/test_stream_convert.py).
@@ -40,8 +40,9 @@ from .. import checkpoint, io
 from ..adapters import find_adapter
 from ..adapters.base import get, parent_and_leaf
 from ..algebra import layout_of
-from ..convert import (VARIANTS, ConvertOptions, _kept_norms, _will_fold, center_writer, centered_outputs,
-                       fold_scales, layernorm_names, swap_norm, untie, _edited_params)
+from ..options import ConvertOptions, resolve as resolve_options
+from ..convert import (VARIANTS, kept_norms, will_fold, center_writer_at, centered_outputs,
+                       fold_scales, layernorm_names, swap_norm, untie, edited_params)
 from ..errors import CheckpointError, NonFiniteWeightsError, NormfoldError
 from ..modelinfo import working_dtype
 from ..report import ConversionReport
@@ -107,7 +108,7 @@ def _checkpoint_dtype(source: Source) -> torch.dtype:
 def meta_model(source_dir: Path, dtype: torch.dtype) -> nn.Module:
     """The model class named by the config, built on the meta device (no memory, no init), tied as
     from_pretrained ties it, in eval mode."""
-    transformers = io._transformers()
+    transformers = io.transformers_module()
     config = transformers.AutoConfig.from_pretrained(source_dir)  # never trust_remote_code
     cls = io.model_class(config)
     with torch.device("meta"):
@@ -207,7 +208,7 @@ def plan_edits(model: nn.Module, plan, options: ConvertOptions) -> list[Edit]:
         for path in stream.writers:
             edits.append(Edit("center", path, [path], _param_names(model, path)))
         for site in stream.norms:
-            paths = [site.path] + (list(site.readers) if _will_fold(site, options) else [])
+            paths = [site.path] + (list(site.readers) if will_fold(site, options) else [])
             edits.append(Edit("swap", site, paths, [n for p in paths for n in _param_names(model, p)]))
     return edits
 
@@ -339,13 +340,13 @@ class Computer:
         if kind == "scale":
             fold_scales(self.model, [e.arg for e in batch])
         elif kind == "center":
-            center_writer(self.model, batch[0].arg)
+            center_writer_at(self.model, batch[0].arg)
         else:
-            swap_norm(self.model, batch[0].arg, _will_fold(batch[0].arg, self.options), self.options)
+            swap_norm(self.model, batch[0].arg, will_fold(batch[0].arg, self.options), self.options)
 
     def _chunked(self, comp: Component) -> bool:
         """A lone big writer whose output axis is its last (embedding tables, Conv1D): centre it in row
-        chunks, in place, through the same `center_writer`."""
+        chunks, in place, through the same `center_writer_at`."""
         if len(comp.edits) != 1 or comp.edits[0].kind != "center":
             return False
         obj = get(self.model, comp.edits[0].arg)
@@ -423,15 +424,20 @@ def _batches(edits: list[Edit]) -> list[list[Edit]]:
 
 # ---- the entry point ----------------------------------------------------------------------------------------
 
-def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *, to: str = "rmsnorm",
-                   keep_affine: bool = False, fold_final: bool = False, allow_new_bias: bool = False,
+def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *, to: str | None = None,
+                   options: ConvertOptions | None = None, keep_affine: bool | None = None,
+                   fold_final: bool | None = None, allow_new_bias: bool | None = None, pad: bool | None = None,
                    progress: Progress | None = None) -> ConversionReport:
     """Convert the safetensors checkpoint in `source_dir` into `out_dir` (an existing empty directory)
     shard by shard. Writes the weights (sharded like the source when it is stock-reloadable, else one
     normfold_model.safetensors), config.json, the tokenizer/generation files and normfold.json.
-    Verification is not run here (the report says so); see `normfold.stream.cli._verify_streamed`."""
+    Verification is not run here (the report says so); see `normfold.cli.convert_stream.verify_streamed`."""
+    options = resolve_options(options, "stream_convert", to=to, keep_affine=keep_affine, fold_final=fold_final,
+                              allow_new_bias=allow_new_bias, pad=pad)
+    options = options.replace(keep_affine=bool(options.keep_affine))
+    to = options.to
     say = progress or (lambda msg: None)
-    if to != "rmsnorm":
+    if to != "rmsnorm" or options.pad or options.variant_options:
         raise StreamUnsupportedError(f"streaming converts --to rmsnorm only; --to {to} needs the in-memory "
                                      "conversion (--stream never, or normfold.convert)")
     out = Path(out_dir)
@@ -441,7 +447,6 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     checkpoint.ModelDir(source_dir).check_all()  # config, weights, tokenizer files: nothing from outside
     source = open_source(source_dir)
     dtype = _checkpoint_dtype(source)
-    options = ConvertOptions(keep_affine=keep_affine, fold_final=fold_final, allow_new_bias=allow_new_bias)
 
     original = meta_model(source.path, dtype)
     names = source_names(original, source)
@@ -452,7 +457,7 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     say(f"{type(original).__name__}, {dtype}, {len(source.shards)} shard(s), adapter {adapter.display_name}")
 
     # pass 1: the structure and the report, by the variant's own apply, on meta tensors
-    from ..compress.sizes import measure, size_report
+    from ..sizes import measure, size_report
 
     structure_model = copy.deepcopy(original)
     report = ConversionReport(variant=to, adapter=adapter.name, architecture=type(original).__name__,
@@ -465,7 +470,7 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         VARIANTS[to].apply(structure_model, plan, options, report)
     structure_model.eval()
     report.size = size_report(before, structure_model)
-    report.kept = _kept_norms(original, plan, {r.name for r in report.structure.norms})
+    report.kept = kept_norms(original, plan, {r.name for r in report.structure.norms})
     report.source = {"model": str(source_dir), "architecture": type(original).__name__,
                      "model_type": getattr(original.config, "model_type", None), "path": str(source_dir)}
     report.notes.append("converted shard by shard from the safetensors files (normfold.stream)")
@@ -473,7 +478,7 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
 
     # pass 2: values, component by component, on the untransformed meta model
     values_model = copy.deepcopy(original)
-    untie(values_model, _edited_params(values_model, plan, options))
+    untie(values_model, edited_params(values_model, plan, options))
     comps = components(plan_edits(values_model, plan, options))
     owner = _owners(comps, outputs)
     computer = Computer(values_model, plan, options, source, names)
