@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("normfold.ops",),
     ("normfold.algebra",),
     ("normfold.nn",),
-    ("normfold.checkpoint_guard",),
+    ("normfold.checkpoint", "normfold.checkpoint_guard"),
     ("normfold.adapters",),
     ("normfold.analysis", "normfold.autoplan"),
     ("normfold.report", "normfold.sizes", "normfold.convert", "normfold.verify", "normfold.io"),

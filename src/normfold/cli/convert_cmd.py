@@ -119,8 +119,13 @@ def add_parser(sub) -> None:
 
 
 def text_inputs(model_dir, text: str) -> dict:
+    from pathlib import Path
+
+    from ..checkpoint import ModelDir
     from ..errors import NormfoldError
 
+    if Path(model_dir).is_dir():  # the tokenizer files through the path policy before transformers reads them
+        ModelDir(model_dir).check_all()
     try:
         from transformers import AutoTokenizer
 

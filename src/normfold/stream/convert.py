@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .. import io
+from .. import checkpoint, io
 from ..adapters import find_adapter
 from ..adapters.base import get, parent_and_leaf
 from ..algebra import layout_of
@@ -77,23 +77,9 @@ class Source:
 
 
 def weight_files(source_dir: str | os.PathLike) -> tuple[list[Path], bool] | None:
-    """The safetensors weight files of a model directory (and whether sharded), or None."""
-    d = Path(source_dir)
-    if (d / INDEX).is_file():
-        try:
-            weight_map = json.loads((d / INDEX).read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{d / INDEX} is not a valid safetensors index: {exc}") from exc
-        names = list(dict.fromkeys(weight_map.values()))
-        for n in names:
-            if Path(n).name != n or not (d / n).is_file():
-                raise CheckpointError(f"{d / INDEX} names shard {n!r}, which is not a file in {d} (missing: the "
-                                      "download is incomplete, or a path outside the directory, which normfold "
-                                      "never reads); re-download the checkpoint")
-        return [d / n for n in sorted(names)], True
-    if (d / io.STOCK_WEIGHTS).is_file():
-        return [d / io.STOCK_WEIGHTS], False
-    return None
+    """The safetensors weight files of a model directory (and whether sharded), or None; every name
+    checked by the path policy (`normfold.checkpoint`)."""
+    return checkpoint.weight_files(checkpoint.ModelDir(source_dir), INDEX, io.STOCK_WEIGHTS)
 
 
 def open_source(source_dir: str | os.PathLike) -> Source:
@@ -458,6 +444,7 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     if not out.is_dir() or any(out.iterdir()):
         raise NormfoldError(f"{out} must be an existing empty directory")
     t0 = time.perf_counter()
+    checkpoint.ModelDir(source_dir).check_all()  # config, weights, tokenizer files: nothing from outside
     source = open_source(source_dir)
     dtype = _checkpoint_dtype(source)
 
@@ -499,6 +486,7 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     written = _write(out, files, outputs, owner, comps, computer, names, source, say)
 
     _write_aux(out, structure_model, source.path, report, written)
+    report.weight_files = written["digests"]
     report.seconds["convert"] = round(time.perf_counter() - t0, 3)
     report.verification = pending_verification(report.dtype)
     (out / io.REPORT_FILE).write_text(report.to_json() + "\n")
@@ -566,17 +554,19 @@ def _write(out: Path, files, outputs, owner, comps, computer: Computer, names, s
     """Write each output file: header first, then every tensor at its offset; a component is computed when
     its first output comes up and its other outputs wait in `pending` (same file, see _assign_files)."""
     weight_map = {}
+    digests: dict[str, dict] = {}
     pending: dict[str, torch.Tensor] = {}
     total = 0
     for fname, tensors in files.items():
         by_name = {o.name: o for o in tensors}
         header, placed = st.layout({o.name: (st.ST_DTYPES[o.dtype], o.shape) for o in tensors}, METADATA)
         say(f"writing {fname} ({len(tensors)} tensors)")
-        fd = os.open(out / fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        raw_fd = os.open(out / fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        fd = checkpoint.HashingSink(raw_fd, out / fname)  # SHA-256 while writing (tamper evidence)
         try:
-            st._write_all(fd, header, 0)
+            st.write_all(fd, header, 0)
             base = len(header)
-            _preallocate(fd, base + sum(n for _, _, n in placed))
+            _preallocate(raw_fd, base + sum(n for _, _, n in placed))
             for name, offset, nbytes in placed:
                 o = by_name[name]
                 if o.fill is not None:
@@ -598,11 +588,12 @@ def _write(out: Path, files, outputs, owner, comps, computer: Computer, names, s
                                   check=_finite_check(o.dtype, names[name]))
                 weight_map[name] = fname
                 total += nbytes
+            digests[fname] = {"sha256": fd.hexdigest(), "bytes": os.fstat(raw_fd).st_size}
         finally:
-            os.close(fd)
+            os.close(raw_fd)
     if pending:
         raise NormfoldError(f"internal: computed tensors never written: {sorted(pending)[:5]}")
-    return {"files": list(files), "weight_map": weight_map, "total_size": total}
+    return {"files": list(files), "weight_map": weight_map, "total_size": total, "digests": digests}
 
 
 def _preallocate(fd: int, size: int) -> None:
@@ -626,7 +617,6 @@ def _write_aux(out: Path, model: nn.Module, source_dir: Path, report, written: d
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).__name__]
     config.save_pretrained(out)
-    for f in source_dir.iterdir():
-        if f.is_file() and io._AUXILIARY.fullmatch(f.name):
-            shutil.copy2(f, out / f.name)
-    io._apply_umask(out)
+    for f in checkpoint.ModelDir(source_dir).auxiliary_files():  # checked: nothing from outside the source
+        shutil.copy2(f, out / f.name)
+    io.apply_umask(out)
