@@ -558,10 +558,14 @@ def _apply_rotation_hooks(model: nn.Module, rotation: dict) -> None:
             if width not in widths:  # also bounds the d×d matrix built below
                 raise ValueError(f"width {width} is not the width of any norm of this model")
             module = modules[str(e["path"])]
-            q, _ = rotation_matrix(str(rotation["kind"]), width, int(rotation.get("seed", 0)))
+            ref = next(iter(model.parameters()), None)
+            if ref is not None and ref.is_meta:  # checking a report against the config's meta model: shapes only
+                q = torch.empty(width, width, device="meta")
+            else:
+                with torch.device("cpu"):
+                    q, _ = rotation_matrix(str(rotation["kind"]), width, int(rotation.get("seed", 0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"normfold.json: bad explicit rotation entry {e!r}: {exc}") from None
-        ref = next(iter(model.parameters()), None)
         q = (q.T if e.get("transpose") else q).contiguous().to(ref.dtype if ref is not None else torch.float32)
         if e.get("where") == "output":
             add_output_rotation(module, q)

@@ -138,7 +138,6 @@ def text_inputs(model_dir, text: str) -> dict:
     return {"input_ids": ids}
 
 
-text_inputs = _text_inputs  # the public name other subcommands import (normfold export)
 
 
 def parse_options(pairs: list[str]) -> dict:
