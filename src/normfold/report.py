@@ -42,6 +42,8 @@ class Structure:
     untied: list[str] = field(default_factory=list)  # parameter names given their own storage
     # Pre-CRMSNorm: resized parameters, compress hooks, per-stream widths (normfold.compress.runtime)
     compression: dict = field(default_factory=dict)
+    # heads kept tied to a centred embedding table (nn.TiedHead): {"head", "table", "scale", "bias"}
+    tied_heads: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -53,7 +55,23 @@ class Structure:
                    recenter_before=list(d.get("recenter_before", [])),
                    added_bias=list(d.get("added_bias", [])),
                    untied=list(d.get("untied", [])),
-                   compression=dict(d.get("compression", {})))
+                   compression=dict(d.get("compression", {})),
+                   tied_heads=_tied_heads(d.get("tied_heads", [])))
+
+
+def _tied_heads(value) -> list[dict]:
+    """The `tied_heads` records of a saved report, checked (normfold.json is untrusted input)."""
+    keys = {"head": str, "table": str, "scale": bool, "bias": bool}
+    if not isinstance(value, list):
+        raise ValueError("structure.tied_heads must be a list")
+    out = []
+    for item in value:
+        if not isinstance(item, dict) or set(item) != set(keys) or any(
+                not isinstance(item[k], t) for k, t in keys.items()):
+            raise ValueError(f"structure.tied_heads entries are {{'head': str, 'table': str, 'scale': bool, "
+                             f"'bias': bool}}; got {item!r}")
+        out.append(dict(item))
+    return out
 
 
 @dataclass
@@ -79,6 +97,18 @@ class ConversionReport:
     @property
     def converted(self) -> list[NormRecord]:
         return self.structure.norms
+
+    def reload(self) -> dict:
+        """Which loaders read the saved checkpoint and compute the converted function."""
+        if self.stock_reloadable:
+            how = ("plain transformers (from_pretrained) loads model.safetensors; normfold.load adds normfold's "
+                   "norm modules")
+        else:
+            how = "normfold.load only (normfold_model.safetensors; stock from_pretrained refuses it)"
+            if self.structure.tied_heads:
+                how += ("; a tied head is kept tied to the centred table (nn.TiedHead), which stock transformers "
+                        "cannot express: --untie / untie=True writes the stock-reloadable form")
+        return {"stock_transformers": self.stock_reloadable, "normfold_load": True, "how": how}
 
     def to_dict(self) -> dict[str, Any]:
         from ._version import __version__
@@ -106,6 +136,7 @@ class ConversionReport:
             "verification": self.verification,
             "seconds": self.seconds,
             "size": self.size,
+            "reload": self.reload(),
         }
 
     def to_json(self) -> str:
