@@ -6,7 +6,8 @@
   last input column (App. C step 3 with a_d = 0), StreamCRMSNorm → RMSNorm, the recentre-and-compress
   hooks → Recenter, a tied compressed head → a Linear holding the full table (E' decompressed + m).
 - `to_layernorm(model)`: Pre-RMSNorm → Pre-LN: every RMSNorm → LayerNorm with the same eps (γ = 1 /
-  β = 0 where the affine was folded away), explicit Recenters removed (every reader of the stream
+  β = 0 where the affine was folded away), a head kept tied to the centred table (nn.TiedHead) → an
+  untied Linear with the full matrix, explicit Recenters removed (every reader of the stream
   is now a LayerNorm, which ignores the per-token mean). The result is the stock architecture:
   `save` writes `model.safetensors` that plain transformers loads.
 
@@ -28,7 +29,7 @@ from ..adapters import find_adapter
 from ..adapters.base import get, parent_and_leaf
 from ..errors import UnsupportedConversionError
 from ..modelinfo import working_dtype
-from ..nn import RMSNorm
+from ..nn import RMSNorm, TiedHead
 from ..nn.hooks import add_input_recenter, add_output_recenter
 from ..report import ConversionReport, Structure
 from .sizes import measure, size_report
@@ -116,10 +117,26 @@ def decompress(model: nn.Module) -> nn.Module:
     return model
 
 
+def untie_heads(model: nn.Module, structure: Structure) -> None:
+    """Every nn.TiedHead → a plain nn.Linear holding its full matrix ((E' + μ1ᵀ)·diag γ, float64, rounded once):
+    the untied stock form, which transformers loads once the config no longer ties the embeddings."""
+    from ..convert import disable_weight_tying
+
+    heads = [(n, m) for n, m in model.named_modules() if isinstance(m, TiedHead)]
+    for name, head in heads:
+        parent, leaf = parent_and_leaf(model, name)
+        setattr(parent, leaf, head.untied_linear())
+        structure.untied += [f"{name}.weight"]
+    if heads:
+        disable_weight_tying(model)
+    structure.tied_heads = []
+
+
 def to_layernorm(model: nn.Module) -> nn.Module:
     """Pre-RMSNorm → Pre-LN in place: RMSNorm → LayerNorm (same eps), Recenters removed."""
     structure = _structure(model) if getattr(model, "normfold_report", None) is not None else Structure()
     records = {r.name: r for r in structure.norms}
+    untie_heads(model, structure)
     for name, module in list(model.named_modules()):
         if type(module) is not RMSNorm:
             continue
