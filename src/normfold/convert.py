@@ -403,27 +403,51 @@ def tie_groups(model: nn.Module, plan: ConversionPlan) -> Ties:
     return Ties(groups, _tied_configs(model))
 
 
+def _edit_kinds(plan: ConversionPlan, structure: Structure) -> dict[str, str]:
+    """What the conversion did to each module / parameter path it touched: 'centred' (a stream writer),
+    'scaled' (a writer or multiplier of a scale fold), 'folded' (a reader that took a norm's γ/β, or grew a
+    bias). Decided from the plan and the records alone, so it works on meta tensors (normfold.stream)."""
+    kinds: dict[str, str] = {}
+    for st in plan.streams:
+        for w in st.writers:
+            kinds[w] = "centred"
+        for w, scale in st.scale_folds:
+            kinds[w] = kinds[scale] = "scaled"
+    for rec in structure.norms:
+        for r in rec.folded_into:
+            kinds[r] = "folded"
+    for r in structure.added_bias:
+        kinds[r] = "folded"
+    return kinds
+
+
+def _kind(kinds: dict[str, str], name: str) -> str:
+    path = name.rpartition(".")[0]
+    return kinds.get(name) or kinds.get(path) or "none"
+
+
 def keep_ties(model: nn.Module, plan: ConversionPlan, ties: "Ties", report: ConversionReport) -> None:
     """Undo the untying of `apply_rmsnorm` without changing the function (in place).
 
-    A group whose copies are still equal is simply shared again (tables that were not edited, bias
-    pairs). A table tied to heads: every embedding alias shares the centred table E' again, and
-    every head alias (a plain nn.Linear) becomes an `nn.TiedHead` computing its original output from
-    E' plus the row means that centring removed (and the folded γ where the final norm's affine was
-    folded into the head). Anything else stays untied (today's form) with a note."""
+    A group that no edit changed is simply shared again (bias pairs, tables that were not edited). A
+    table tied to heads: every embedding alias shares the centred table E' again (one the plan does
+    not centre, such as BART's `shared` that only hands the tensor to encoder and decoder, too), and
+    every head alias (a plain nn.Linear) becomes an `nn.TiedHead` computing its original output from E'
+    plus the row means that centring removed (and the folded γ where the final norm's affine was folded
+    into the head). Anything else stays untied (the plain form) with a note. The decisions read the plan
+    and the records only (no values), so normfold.stream makes the same ones on meta tensors."""
     from .nn import TiedHead
 
     structure = report.structure
+    kinds = _edit_kinds(plan, structure)
     folded = {r: rec for rec in structure.norms for r in rec.folded_into}
-    scaled = {w for st in plan.streams for w, _ in st.scale_folds}  # tables that absorbed a multiplier
-    writers = {w for st in plan.streams for w in st.writers}
     retied: set[str] = set()
     for group in ties.groups:
         if not any(n in structure.untied for n in group.names):
             continue
-        current = [get(model, n) for n in group.names]
-        first = current[0]
-        if all(c.shape == first.shape and torch.equal(c.detach(), first.detach()) for c in current[1:]):
+        edits = {n: _kind(kinds, n) for n in group.names}
+        if all(k == "none" for k in edits.values()):
+            first = get(model, group.names[0])
             for name in group.names[1:]:
                 parent, leaf = parent_and_leaf(model, name)
                 setattr(parent, leaf, first)
@@ -432,34 +456,29 @@ def keep_ties(model: nn.Module, plan: ConversionPlan, ties: "Ties", report: Conv
         tables, heads, other = [], [], []
         for name in group.names:
             path, module, leaf = _module_and_leaf(model, name)
-            if leaf == "weight" and isinstance(module, nn.Embedding):
+            if leaf == "weight" and isinstance(module, nn.Embedding) and edits[name] in ("none", "centred"):
                 tables.append((name, path))
-            elif leaf == "weight" and _is_plain_linear(module):
+            elif leaf == "weight" and _is_plain_linear(module) and edits[name] in ("none", "folded"):
                 heads.append((name, path))
             else:
                 other.append(name)
-        # the centred table: an alias the plan centres (others, such as BART's `shared` that only hands the
-        # same tensor to encoder and decoder, share it again; the float64 verification checks the result)
-        centred = [t for t in tables if t[1] in writers] or tables
-        tables = centred + [t for t in tables if t not in centred]
-        canon = get(model, tables[0][0]) if tables else None
-        if (other or not tables or (heads and group.row_means is None) or any(p in scaled for _, p in tables)
-                or any(not torch.equal(get(model, n).detach(), canon.detach()) for n, _ in centred[1:])):
+        centred = [t for t in tables if edits[t[0]] == "centred"]
+        if other or not centred or (heads and group.row_means is None):
             report.notes.append(f"tied parameters {', '.join(group.names)} stay untied: normfold keeps a tie only "
-                                "between embedding tables and plain linear heads")
+                                "between centred embedding tables and plain linear heads")
             continue
+        tables = centred + [t for t in tables if t not in centred]
+        canon = get(model, tables[0][0])
         for name, _ in tables[1:]:
             parent, leaf = parent_and_leaf(model, name)
             setattr(parent, leaf, canon)
         table_path = tables[0][1]
         table = get(model, table_path)
-        # the constant each row lost: the original row mean minus what is left of it after rounding
-        shift = group.row_means - canon.detach().double().mean(dim=-1) if heads else None
         for name, path in heads:
             head = get(model, path)
             rec = folded.get(path)
             gamma = group.gammas.get(path) if (rec is not None and not rec.weight and rec.stock_weight) else None
-            new = TiedHead(table, shift.to(canon.dtype),
+            new = TiedHead(table, tied_head_shift(group.row_means, canon),
                            None if gamma is None else gamma.to(canon.dtype), head.bias)
             parent, leaf = parent_and_leaf(model, path)
             setattr(parent, leaf, new)
@@ -476,6 +495,12 @@ def keep_ties(model: nn.Module, plan: ConversionPlan, ties: "Ties", report: Conv
             f"tied embedding/head kept tied ({heads}): the head reads the centred table plus its row means "
             f"(nn.TiedHead, {vocab} numbers) instead of an untied copy; the checkpoint loads with normfold.load "
             "only. --untie (untie=True) writes the untied plain-transformers form that stock transformers reloads")
+
+
+def tied_head_shift(row_means: torch.Tensor, centred: torch.Tensor) -> torch.Tensor:
+    """TiedHead's `mean`: what each row of the table lost, the original float64 row mean minus what is left
+    of it in the rounded centred table (float64, rounded once to the table's dtype)."""
+    return (row_means - centred.detach().double().mean(dim=-1)).to(centred.dtype)
 
 
 def _tied_configs(model: nn.Module) -> list:
