@@ -313,3 +313,52 @@ def test_cli_default_keeps_the_tie_and_untie_writes_the_stock_form(tmp_path, cap
     assert main(["convert", str(tmp_path / "src"), "--to", "crmsnorm", "--untie", "--out",
                  str(tmp_path / "x"), "-q"]) == 2
     assert "--untie applies to --to rmsnorm" in capsys.readouterr().err
+
+
+def test_streamed_cli_keeps_the_tie_and_untie_streams_the_stock_form(tmp_path, capsys):
+    from normfold.cli import main
+
+    adapter, ex = _example("gpt2")
+    model = build(ex, "GPT2LMHeadModel", torch.float32)
+    model.save_pretrained(tmp_path / "src")
+    assert main(["convert", str(tmp_path / "src"), "--out", str(tmp_path / "kept"), "--stream", "always", "-q"]) == 0
+    text = capsys.readouterr().out
+    assert "on disk" in text and "stock transformers: no; normfold.load: yes" in text
+    rep = json.loads((tmp_path / "kept" / "normfold.json").read_text())
+    assert rep["structure"]["tied_heads"] and rep["verification"]["passed"]
+    assert rep["size"]["disk_bytes"]["after"] < 1.02 * rep["size"]["disk_bytes"]["before"]
+    assert main(["convert", str(tmp_path / "src"), "--out", str(tmp_path / "untied"), "--stream", "always",
+                 "--untie", "-q"]) == 0
+    capsys.readouterr()
+    assert (tmp_path / "untied" / "model.safetensors").is_file()
+    ids = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    stock = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "untied").eval()
+    loaded = normfold.load(tmp_path / "kept")
+    with torch.no_grad():
+        want = model(ids).logits
+        assert rel_err(stock(ids).logits, want) <= 1e-5 and rel_err(loaded(ids).logits, want) <= 1e-5
+
+
+def test_train_export_keeps_the_tie(tmp_path):
+    """normfold.train: θ trained one step through the prepared model, then exported: the tie stays (one table,
+    the head a TiedHead) and the checkpoint computes the restored LayerNorm model's logits."""
+    import copy
+
+    from normfold import train
+
+    adapter, ex = _example("gpt2")
+    model = build(ex, "GPT2LMHeadModel", torch.float64)
+    prepared = train.prepare(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.SGD(prepared.parameters(), lr=0.1)
+    prepared(ids, labels=ids).loss.backward()
+    opt.step()
+    conv, report = train.export(prepared, tmp_path / "out")
+    assert report.verification["passed"] and report.structure.tied_heads
+    plain = train.restore(copy.deepcopy(prepared)).eval()
+    loaded = normfold.load(tmp_path / "out")
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    with torch.no_grad():
+        assert rel_err(loaded(ids).logits, plain(ids).logits) <= 1e-9
+    _, report_u = train.export(prepared, tmp_path / "untied", untie=True)
+    assert report_u.stock_reloadable and not report_u.structure.tied_heads

@@ -110,6 +110,9 @@ def run_streamed(args, source_dir: Path, summarize=None) -> int:
                                               "anyway)")
     steps.end()
     report.seconds.update({k: round(t, 3) for k, t in steps.times.items()})
+    before, after = io.weight_file_bytes(source_dir), io.weight_file_bytes(out)
+    if before:
+        report.size["disk_bytes"] = {"before": before, "after": after, "change": after - before}
     (out / io.REPORT_FILE).write_text(report.to_json() + "\n")
     if args.json:
         print(report.to_json())
