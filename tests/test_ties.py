@@ -362,3 +362,23 @@ def test_train_export_keeps_the_tie(tmp_path):
         assert rel_err(loaded(ids).logits, plain(ids).logits) <= 1e-9
     _, report_u = train.export(prepared, tmp_path / "untied", untie=True)
     assert report_u.stock_reloadable and not report_u.structure.tied_heads
+
+
+def test_tied_head_gradients_match_the_untied_product():
+    """Fine-tuning a converted model: gradients through TiedHead (input, table, mean) are those of
+    z·(E' + μ1ᵀ)ᵀ computed out of place in float64."""
+    g = torch.Generator().manual_seed(0)
+    table = nn.Embedding(23, 6, dtype=torch.float64)
+    mean = torch.randn(23, generator=g, dtype=torch.float64)
+    head = TiedHead(table, mean)
+    head.mean.requires_grad_(True)
+    y = torch.randn(4, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 23, generator=g, dtype=torch.float64)
+    (head(y) * w).sum().backward()
+    got = (y.grad.clone(), table.weight.grad.clone(), head.mean.grad.clone())
+    y2 = y.detach().clone().requires_grad_(True)
+    E = table.weight.detach().clone().requires_grad_(True)
+    m = mean.clone().requires_grad_(True)
+    ((y2 @ (E + m[:, None]).T) * w).sum().backward()
+    for a, b in zip(got, (y2.grad, E.grad, m.grad)):
+        assert rel_err(a, b) <= 1e-12

@@ -75,7 +75,11 @@ class TiedHead(nn.Module):
         z = y if self.scale is None else y * self.scale.to(y.dtype)
         w = self.weight.to(y.dtype)
         out = torch.nn.functional.linear(z, w, None if self.bias is None else self.bias.to(y.dtype))
-        s = z.sum(dim=-1, keepdim=True, dtype=_acc(z.dtype))
+        if z.dtype in (torch.float32, torch.float64):
+            # in place on the fresh logits: one pass over them, no V-sized temporary (the head's GEMM
+            # + 1.5 % at GPT-2 small's shapes on a 2-thread CPU, against + 10 % out of place)
+            return out.addcmul_(z.sum(dim=-1, keepdim=True), self.mean.to(out.dtype))
+        s = z.sum(dim=-1, keepdim=True, dtype=_acc(z.dtype))  # 16-bit: the sum and the add in float32
         return (out.to(s.dtype) + s * self.mean.to(s.dtype)).to(y.dtype)
 
     def untied_linear(self) -> nn.Linear:
