@@ -52,6 +52,7 @@ examples:
   normfold convert ./my-dinov2 --out ./dinov2-rms     no adapter: the plan normfold analyze derives
   normfold convert ./gpt2 --out ./gpt2-rms --auto     the derived plan although GPT-2 has an adapter
   normfold convert ./gpt2 --out ./gpt2-rms --force    replace an existing output directory
+  normfold convert ./gpt2 --out ./gpt2-rms --untie    untied head: plain transformers reloads it (+vocab x d)
   normfold convert ./gpt2 --out ./gpt2-rms --dtype bfloat16 --json > report.json
   normfold convert --to crmsnorm --out ./kjv-crms     Pre-CRMSNorm, d-1 stream (--pad: d, zero last)
   normfold convert ./kjv-crms --to layernorm --out ./kjv-ln   back to the stock Pre-LN architecture
