@@ -382,3 +382,41 @@ def test_tied_head_gradients_match_the_untied_product():
     ((y2 @ (E + m[:, None]).T) * w).sum().backward()
     for a, b in zip(got, (y2.grad, E.grad, m.grad)):
         assert rel_err(a, b) <= 1e-12
+
+
+@pytest.mark.parametrize("family,example,head", [("gpt2", None, "GPT2LMHeadModel"),
+                                                 ("whisper", None, "WhisperForConditionalGeneration"),
+                                                 ("roberta", None, "RobertaForMaskedLM")])
+def test_back_to_layernorm_restores_the_stock_tie_and_crmsnorm_keeps_it(family, example, head, tmp_path):
+    """--to layernorm from a tied Pre-RMSNorm model: the table gets its row means back and the head is the
+    stock tied Linear again (every reader of the Pre-LN stream ignores the per-token constant), so plain
+    transformers reloads it with the original's size. --to crmsnorm from it keeps the tie on the
+    compressed table."""
+    adapter, ex = _example(family, example)
+    model = build(ex, head, torch.float64)
+    inputs = adapter.example_inputs(model, torch.Generator().manual_seed(0))
+    inputs = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+    rms, _ = normfold.convert(model, verify=False)
+    ln, report = normfold.convert(rms, to="layernorm", verify=False)
+    (h, t), = _tied_linear_heads(model)
+    assert type(ln.get_submodule(h)) is nn.Linear and ln.get_submodule(h).weight is ln.get_submodule(t).weight
+    assert report.stock_reloadable and not report.structure.tied_heads and report.structure.untied == []
+    assert sum(p.numel() for p in ln.parameters()) == sum(p.numel() for p in model.parameters())
+    ref = run_flat(model, inputs)
+    got = run_flat(ln, inputs)
+    for name in ref:
+        if "logits" in name:
+            assert rel_err(got[name], ref[name]) <= 1e-9, name
+    stock = getattr(transformers, head).from_pretrained(normfold.save(ln, report, tmp_path / "ln")).eval()
+    assert stock.get_submodule(h).weight is stock.get_submodule(t).weight
+    again = run_flat(stock, inputs)
+    for name in ref:
+        if "logits" in name:
+            assert rel_err(again[name], ref[name]) <= 1e-9, name
+    if family == "roberta":
+        return  # Post-LN: the MLM head reads a kept LayerNorm, not the stream; crmsnorm ties only stream heads
+    crms, creport = normfold.convert(rms, to="crmsnorm", verify=False)
+    assert [x["head"] for x in creport.structure.compression["tied_heads"]] == [h]
+    for name in ref:
+        if "logits" in name:
+            assert rel_err(run_flat(crms, inputs)[name], ref[name]) <= 1e-9, name
