@@ -420,3 +420,17 @@ def test_back_to_layernorm_restores_the_stock_tie_and_crmsnorm_keeps_it(family, 
     for name in ref:
         if "logits" in name:
             assert rel_err(run_flat(crms, inputs)[name], ref[name]) <= 1e-9, name
+
+
+def test_tied_head_record_beside_stock_weights_is_refused(tmp_path):
+    from normfold.errors import CheckpointError
+
+    adapter, ex = _example("gpt2")
+    model = build(ex, "GPT2LMHeadModel", torch.float32)
+    conv, report = normfold.convert(model, verify=False, untie=True)
+    out = normfold.save(conv, report, tmp_path / "out")
+    rep = json.loads((out / "normfold.json").read_text())
+    rep["structure"]["tied_heads"] = [{"head": "lm_head", "table": "transformer.wte", "scale": False, "bias": False}]
+    (out / "normfold.json").write_text(json.dumps(rep))
+    with pytest.raises(CheckpointError, match="tied heads"):
+        normfold.load(out)

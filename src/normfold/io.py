@@ -460,6 +460,9 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> nn.
     config = transformers.AutoConfig.from_pretrained(path)
     cls = model_class(config)
     if (path / STOCK_WEIGHTS).is_file() or (path / STOCK_INDEX).is_file():  # sharded: normfold.stream
+        if report.structure.tied_heads:  # their row means are never in a stock file: it was not written by normfold
+            raise CheckpointError(f"{path}: normfold.json records tied heads (nn.TiedHead) but the weights are in the "
+                                  f"stock {STOCK_WEIGHTS}, which cannot hold them; the checkpoint was altered")
         model = cls.from_pretrained(path, dtype=torch_dtype or "auto")
         apply_structure(model, report.structure)
     elif (path / NORMFOLD_WEIGHTS).is_file():
