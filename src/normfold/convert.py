@@ -635,7 +635,9 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
     if rotate is not None:
         variant = _rotating_variant(variant, rotate, rotate_seed, options.keep_affine, rotate_online)
         fold_final = True  # the final norms' γ must leave the stream before it is rotated
-        options = options.replace(fold_final=True)
+        # a tied head cannot stay the table: the final norm's γ folds into the head (diag(γ) on the rotated
+        # basis), so rotation converts with the untied form (the report notes it)
+        options = options.replace(fold_final=True, untie=True)
     if variant_options and not variant.takes_options:
         raise UnsupportedConversionError(
             f"--to {to} takes no options (got {', '.join(sorted(variant_options))}); "

@@ -81,12 +81,12 @@ def _tied_heads(value) -> list[dict]:
     """The `tied_heads` records of a saved report, checked (normfold.json is untrusted input)."""
     keys = {"head": str, "table": str, "scale": bool, "bias": bool}
     if not isinstance(value, list):
-        raise ValueError("structure.tied_heads must be a list")
+        raise ReportSchemaError("normfold.json: structure.tied_heads must be a list")
     out = []
     for item in value:
         if not isinstance(item, dict) or set(item) != set(keys) or any(
                 not isinstance(item[k], t) for k, t in keys.items()):
-            raise ValueError(f"structure.tied_heads entries are {{'head': str, 'table': str, 'scale': bool, "
+            raise ReportSchemaError(f"normfold.json: structure.tied_heads entries are {{'head': str, 'table': str, 'scale': bool, "
                              f"'bias': bool}}; got {item!r}")
         out.append(dict(item))
     return out
@@ -275,6 +275,7 @@ class ReportSpec:
     seconds: dict[str, float] = field(default_factory=dict)
     size: dict = field(default_factory=dict)
     weight_files: dict[str, WeightFileSpec] = field(default_factory=dict)
+    reload: dict = field(default_factory=dict)  # informational (ConversionReport.reload()); recomputed, not read
 
 
 MAX_INT = 2**53  # larger integers are not exact in JSON readers; no width, count or size gets near it
