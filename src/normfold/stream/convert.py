@@ -43,6 +43,8 @@ from ..algebra import layout_of
 from ..options import ConvertOptions, resolve as resolve_options
 from ..convert import (VARIANTS, kept_norms, will_fold, center_writer_at, centered_outputs,
                        fold_scales, layernorm_names, swap_norm, untie, edited_params)
+from ..compress import convert as compress_convert
+from ..compress.convert import compressed_value, tied_head_mean
 from ..errors import CheckpointError, NonFiniteWeightsError, NormfoldError
 from ..modelinfo import working_dtype
 from ..report import ConversionReport
@@ -285,6 +287,56 @@ def _norm_betas(model: nn.Module, plan, names: dict[str, str], source: Source) -
     return table
 
 
+@contextlib.contextmanager
+def _heads_unchanged_from(table: dict[str, bool]):
+    """compress.retie_heads asks whether a head still holds its original tied table; on meta tensors answer
+    it from the checkpoint (read beforehand, `_heads_unchanged`), elsewhere as usual."""
+    original = compress_convert.head_unchanged
+
+    def unchanged(name, weight, before):
+        if weight.is_meta:
+            return table.get(name, True)
+        return original(name, weight, before)
+
+    compress_convert.head_unchanged = unchanged
+    try:
+        yield
+    finally:
+        compress_convert.head_unchanged = original
+
+
+def _heads_unchanged(model: nn.Module, plan, names: dict[str, str], source: Source, options) -> dict[str, bool]:
+    """{head weight name: unchanged} for the readers of final norms: swap_norm changes a reader's weight only
+    when it folds γ into it (same decision as swap_norm's, with β read from the checkpoint), and then bit for
+    bit only if γ is not all ones."""
+    from ..algebra import is_conv_reader, is_linear_reader
+
+    def read(path):
+        return st.read_tensor(source.tensors[names[path]])
+
+    table = {}
+    for stream in plan.streams:
+        for site in stream.norms:
+            if not site.final or not site.readers:
+                continue
+            norm = get(model, site.path)
+            readers = [get(model, r) for r in site.readers]
+            fold = will_fold(site, options) and all(is_linear_reader(r) or is_conv_reader(r) for r in readers)
+            has_beta = getattr(norm, "bias", None) is not None and bool(read(f"{site.path}.bias").ne(0).any())
+            fold_beta = fold and has_beta and (options.allow_new_bias or all(
+                _reader_has_bias(r) or p in site.beta_cancels for p, r in zip(site.readers, readers)))
+            fold_gamma = fold and norm.weight is not None and (not has_beta or fold_beta)
+            changed = fold_gamma and not bool(read(f"{site.path}.weight").eq(1).all())
+            for r in site.readers:
+                table[f"{r}.weight"] = not changed
+    return table
+
+
+def _reader_has_bias(reader: nn.Module) -> bool:
+    lay = layout_of(reader)
+    return bool(lay.bias) and getattr(reader, lay.bias, None) is not None
+
+
 @dataclass
 class OutTensor:
     name: str
@@ -319,8 +371,16 @@ def output_tensors(model: nn.Module, report: ConversionReport) -> list[OutTensor
 class Computer:
     """Runs one component at a time on real tensors read from the checkpoint, the rest of the model on meta."""
 
-    def __init__(self, model: nn.Module, plan, options: ConvertOptions, source: Source, names: dict[str, str]):
+    def __init__(self, model: nn.Module, plan, options: ConvertOptions, source: Source, names: dict[str, str],
+                 compression: dict | None = None):
         self.model, self.plan, self.options, self.source, self.names = model, plan, options, source, names
+        self.compression = compression  # Pre-CRMSNorm: compress's record, applied to each computed tensor
+        # a TiedCompressedHead's `mean` output: the row means of the head's original (tied) table
+        self.head_means = {f"{t['head']}.mean": f"{t['head']}.weight" for t in (compression or {}).get("tied_heads", [])}
+
+    def derived(self, name: str) -> torch.Tensor:
+        """An output computed from source tensors outside any edit (a tied compressed head's row means)."""
+        return tied_head_mean(self._read(self.head_means[name]))
 
     def _read(self, name: str) -> torch.Tensor:
         src = self.names[name]
@@ -339,7 +399,10 @@ class Computer:
             if not self._chunked(comp):
                 for batch in _batches(comp.edits):
                     self._apply(batch)
-            return {k: get(self.model, k).detach() for k in keys}
+            out = {k: get(self.model, k).detach() for k in keys}
+            if self.compression is not None:
+                out = {k: compressed_value(k, v, self.compression) for k, v in out.items()}
+            return out
         finally:
             for path in comp.modules:  # back to meta: frees the component's memory
                 obj = get(self.model, path)
@@ -438,35 +501,74 @@ def _batches(edits: list[Edit]) -> list[list[Edit]]:
 
 # ---- the entry point ----------------------------------------------------------------------------------------
 
-def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *, to: str | None = None,
-                   options: ConvertOptions | None = None, keep_affine: bool | None = None,
-                   fold_final: bool | None = None, allow_new_bias: bool | None = None, pad: bool | None = None,
-                   progress: Progress | None = None) -> ConversionReport:
-    """Convert the safetensors checkpoint in `source_dir` into `out_dir` (an existing empty directory)
-    shard by shard. Writes the weights (sharded like the source when it is stock-reloadable, else one
-    normfold_model.safetensors), config.json, the tokenizer/generation files and normfold.json.
-    Verification is not run here (the report says so); see `normfold.cli.convert_stream.verify_streamed`."""
+STREAMED_TARGETS = ("rmsnorm", "crmsnorm")
+
+
+@dataclass
+class Prepared:
+    """What `prepare` found: the source, its meta model, names and the adapter's plan."""
+    source: Source
+    dtype: torch.dtype
+    original: nn.Module
+    names: dict[str, str]
+    adapter: object
+    plan: object
+    options: ConvertOptions
+
+
+def _options(options, to, keep_affine, fold_final, allow_new_bias, pad) -> ConvertOptions:
     options = resolve_options(options, "stream_convert", to=to, keep_affine=keep_affine, fold_final=fold_final,
                               allow_new_bias=allow_new_bias, pad=pad)
     options = options.replace(keep_affine=bool(options.keep_affine))
-    to = options.to
-    say = progress or (lambda msg: None)
-    if to != "rmsnorm" or options.pad or options.variant_options:
-        raise StreamUnsupportedError(f"streaming converts --to rmsnorm only; --to {to} needs the in-memory "
-                                     "conversion (--stream never, or normfold.convert)")
-    out = Path(out_dir)
-    if not out.is_dir() or any(out.iterdir()):
-        raise NormfoldError(f"{out} must be an existing empty directory")
-    t0 = time.perf_counter()
+    if options.to not in STREAMED_TARGETS or options.variant_options:
+        what = f"--to {options.to}" if options.to not in STREAMED_TARGETS else "--option"
+        raise StreamUnsupportedError(f"streaming converts --to {' or '.join(STREAMED_TARGETS)} without --option; "
+                                     f"{what} needs the in-memory conversion (--stream never, or normfold.convert)")
+    if options.pad and options.to != "crmsnorm":
+        raise StreamUnsupportedError("--pad applies to --to crmsnorm only")
+    return options
+
+
+def prepare(source_dir: str | os.PathLike, *, to: str | None = None, options: ConvertOptions | None = None,
+            keep_affine: bool | None = None, fold_final: bool | None = None, allow_new_bias: bool | None = None,
+            pad: bool | None = None) -> Prepared:
+    """Everything `stream_convert` checks before it writes anything (headers, dtypes, names, the adapter and
+    its plan, on a meta model: no weights read but norm biases later). Raises StreamUnsupportedError (or
+    another NormfoldError) when this source or option cannot stream; the CLI's `--stream auto` then
+    converts in memory."""
+    options = _options(options, to, keep_affine, fold_final, allow_new_bias, pad)
     source = open_source(source_dir)
     dtype = _checkpoint_dtype(source)
-
     original = meta_model(source.path, dtype)
     names = source_names(original, source)
     adapter = find_adapter(original)
     if adapter.check is not None:
         adapter.check(original)
     plan = adapter.plan(original)
+    return Prepared(source, dtype, original, names, adapter, plan, options)
+
+
+def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *, to: str | None = None,
+                   options: ConvertOptions | None = None, keep_affine: bool | None = None,
+                   fold_final: bool | None = None, allow_new_bias: bool | None = None, pad: bool | None = None,
+                   progress: Progress | None = None, prepared: Prepared | None = None) -> ConversionReport:
+    """Convert the safetensors checkpoint in `source_dir` into `out_dir` (an existing empty directory)
+    shard by shard, to Pre-RMSNorm or Pre-CRMSNorm (`pad` too). Writes the weights (sharded like the source
+    when it is stock-reloadable, else one normfold_model.safetensors), config.json, the tokenizer/generation
+    files and normfold.json: the same bytes as `normfold.convert` + `normfold.save`.
+    Verification is not run here (the report says so); see `normfold.cli.convert_stream.verify_streamed`.
+    `prepared`: the result of `prepare` for the same source and options (skips redoing it)."""
+    say = progress or (lambda msg: None)
+    out = Path(out_dir)
+    if not out.is_dir() or any(out.iterdir()):
+        raise NormfoldError(f"{out} must be an existing empty directory")
+    t0 = time.perf_counter()
+    if prepared is None:
+        prepared = prepare(source_dir, to=to, options=options, keep_affine=keep_affine, fold_final=fold_final,
+                           allow_new_bias=allow_new_bias, pad=pad)
+    source, dtype, original, names = prepared.source, prepared.dtype, prepared.original, prepared.names
+    adapter, plan, options = prepared.adapter, prepared.plan, prepared.options
+    to = options.to
     say(f"{type(original).__name__}, {dtype}, {len(source.shards)} shard(s), adapter {adapter.display_name}")
 
     # pass 1: the structure and the report, by the variant's own apply, on meta tensors
@@ -479,7 +581,8 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                               stock_reloadable=plan.stock_reloadable, notes=list(plan.notes),
                               centered_outputs=list(centered_outputs(plan)))
     before = measure(original)
-    with _beta_zero_from(_norm_betas(structure_model, plan, names, source)):
+    with _beta_zero_from(_norm_betas(structure_model, plan, names, source)), \
+            _heads_unchanged_from(_heads_unchanged(structure_model, plan, names, source, options)):
         VARIANTS[to].apply(structure_model, plan, options, report)
     structure_model.eval()
     report.size = size_report(before, structure_model)
@@ -494,7 +597,9 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     untie(values_model, edited_params(values_model, plan, options))
     comps = components(plan_edits(values_model, plan, options))
     owner = _owners(comps, outputs)
-    computer = Computer(values_model, plan, options, source, names)
+    compression = report.structure.compression if to == "crmsnorm" else None
+    computer = Computer(values_model, plan, options, source, names, compression)
+    owner = {k: v for k, v in owner.items() if k not in computer.head_means}  # computed from the source table
     files = _assign_files(source, report, outputs, owner, comps, names)
     written = _write(out, files, outputs, owner, comps, computer, names, source, say)
 
@@ -581,6 +686,8 @@ def _write(out: Path, files, outputs, owner, comps, computer: Computer, names, s
                 o = by_name[name]
                 if o.fill is not None:
                     st.write_tensor(fd, torch.full(o.shape, o.fill, dtype=o.dtype), base + offset)
+                elif name in computer.head_means:
+                    st.write_tensor(fd, computer.derived(name), base + offset)
                 elif name in owner:
                     if name not in pending:
                         i = owner[name]
