@@ -85,7 +85,7 @@ def run_streamed(args, source_dir: Path, summarize=None, prepared=None) -> int:
     guard.check_remote_code(source_dir / "config.json", getattr(args, "trust_remote_code", False))
     guard.inspect_checkpoint(source_dir)  # broken or hostile files end here, before any work
     out = io.check_output_dir(args.out, args.force).absolute()
-    steps = Steps(total=3, quiet=args.quiet)
+    steps = Steps(total=2, quiet=args.quiet)
     steps.start("convert", f"converting {source_dir} shard by shard (--stream)")
     with output_lock(out), _disk_errors(out):
         with staged(out, args.force) as tmp:
@@ -95,10 +95,16 @@ def run_streamed(args, source_dir: Path, summarize=None, prepared=None) -> int:
             verify_streamed(source_dir, tmp, report, fp64_tol=args.fp64_tol, seed=args.seed,
                              fold_final=args.fold_final, keep_affine=args.keep_affine,
                              allow_new_bias=args.allow_new_bias, pad=bool(args.pad), progress=steps.note)
+            if not args.model:
+                report.source["model"] = "bundled:kjv-gpt2"  # as the in-memory path names it
             v = report.verification
             if v.get("performed", True) and not v["passed"] and not args.save_failed:
                 blocks = (v.get("blockwise") or {}).get("failed_blocks") or []
                 where = f" (blocks beyond tolerance: {', '.join(blocks)})" if blocks else ""
+                if args.json:
+                    print(report.to_json())
+                elif summarize is not None:
+                    print(summarize(report, None, args))  # the table shows what failed
                 raise VerificationFailedError(f"verification failed: the streamed conversion's outputs differ beyond "
                                               f"tolerance{where}; nothing was written (use --save-failed to keep it "
                                               "anyway)")
@@ -125,8 +131,9 @@ def _disk_errors(out: Path):
         yield
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise NormfoldError(f"writing {out} failed: {exc.strerror}; nothing was written. Free space (the "
-                                "output is about as large as MODEL) or choose another --out.") from exc
+            raise NormfoldError(f"writing {out} failed: the disk is full (or a file-size / quota limit was hit: "
+                                f"{exc.strerror}); nothing was written. Free space (the output is about as large "
+                                "as MODEL) or choose another --out.") from exc
         raise
 
 
