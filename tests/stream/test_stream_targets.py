@@ -43,7 +43,7 @@ def _assert_same_files(a, b):
     assert (a / "config.json").read_text() == (b / "config.json").read_text()
 
 
-@pytest.mark.parametrize("kw", TARGETS, ids=lambda k: "-".join(f"{v}" for v in k.values()))  # noqa: E501
+@pytest.mark.parametrize("kw", TARGETS, ids=lambda k: "-".join(f"{v}" for v in k.values()))
 @pytest.mark.parametrize("family,head", FAMILIES)
 def test_streamed_targets_equal_in_memory(tmp_path, family, head, kw):
     mem_report, report = _both(tmp_path, family, head, **kw)
@@ -54,7 +54,7 @@ def test_streamed_targets_equal_in_memory(tmp_path, family, head, kw):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kw", TARGETS[1:], ids=["crmsnorm", "crmsnorm-pad"])
+@pytest.mark.parametrize("kw", TARGETS[1:3], ids=["crmsnorm", "crmsnorm-pad"])
 def test_streamed_crmsnorm_keeps_16bit(tmp_path, dtype, kw):
     _both(tmp_path, "gpt2", "GPT2LMHeadModel", dtype=dtype, **kw)
     _assert_same_files(tmp_path / "mem", tmp_path / "st")

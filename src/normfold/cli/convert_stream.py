@@ -184,8 +184,11 @@ def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float 
         (Path(out_dir) / io.REPORT_FILE).write_text(report.to_json() + "\n")  # its structure is replayed
         # the stored (rounded) weights run in float64, so the tolerance is `normfold verify`'s
         # (verify.stored_weights_tolerance: 1024 ulp for float32, 8 ulp for 16-bit), unless --fp64-tol is set
-        report.verification = verify_blockwise(source_dir, out_dir, seed=seed, progress=progress,
-                                               fp64_tol=None if fp64_tol == 1e-9 else fp64_tol)
+        from ..stream.safetensors_io import reuse_freed_memory
+
+        with reuse_freed_memory():  # each unit's weights land in the memory the previous one freed
+            report.verification = verify_blockwise(source_dir, out_dir, seed=seed, progress=progress,
+                                                   fp64_tol=None if fp64_tol == 1e-9 else fp64_tol)
     else:
         original, _ = io.load_source(source_dir)
         converted = io.load(out_dir)

@@ -379,8 +379,14 @@ class Computer:
         self.head_means = {f"{t['head']}.mean": f"{t['head']}.weight" for t in (compression or {}).get("tied_heads", [])}
 
     def derived(self, name: str) -> torch.Tensor:
-        """An output computed from source tensors outside any edit (a tied compressed head's row means)."""
-        return tied_head_mean(self._read(self.head_means[name]))
+        """An output computed from source tensors outside any edit (a tied compressed head's row means, in row
+        chunks: rows are independent, so the bytes are tied_head_mean's over the whole table)."""
+        table = self._read(self.head_means[name])
+        flat = table.reshape(-1, table.shape[-1])
+        out = torch.empty(flat.shape[0], dtype=table.dtype)
+        for a, b in row_chunks(flat.shape[0], CHUNK_BYTES // 8 // max(1, flat.shape[1])):
+            out[a:b] = tied_head_mean(flat[a:b])
+        return out.reshape(table.shape[:-1])
 
     def _read(self, name: str) -> torch.Tensor:
         src = self.names[name]
@@ -390,11 +396,18 @@ class Computer:
                                         "can be exact. Fix or re-download the checkpoint.")
         return t
 
-    def run(self, comp: Component, keys: list[str]) -> dict[str, torch.Tensor]:
-        release_memory()  # the previous component's buffers, freed but kept by malloc
+    def read(self, comp: Component) -> dict[str, torch.Tensor]:
+        """The component's parameters read from the checkpoint and checked finite (thread-safe: the reader
+        thread runs this for the next component while the main thread computes this one)."""
+        return {name: self._read(name) for name in comp.params}
+
+    def run(self, comp: Component, keys: list[str], tensors: dict[str, torch.Tensor] | None = None
+            ) -> dict[str, torch.Tensor]:
+        if tensors is None:
+            tensors = self.read(comp)
         for name in comp.params:
             parent, leaf = parent_and_leaf(self.model, name)
-            setattr(parent, leaf, nn.Parameter(self._read(name), requires_grad=False))
+            setattr(parent, leaf, nn.Parameter(tensors.pop(name), requires_grad=False))
         try:
             if not self._chunked(comp):
                 for batch in _batches(comp.edits):
@@ -601,7 +614,8 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     computer = Computer(values_model, plan, options, source, names, compression)
     owner = {k: v for k, v in owner.items() if k not in computer.head_means}  # computed from the source table
     files = _assign_files(source, report, outputs, owner, comps, names)
-    written = _write(out, files, outputs, owner, comps, computer, names, source, say)
+    with st.reuse_freed_memory():
+        written = _write(out, files, outputs, owner, comps, computer, names, source, say)
 
     _write_aux(out, structure_model, source.path, report, written)
     report.seconds["convert"] = round(time.perf_counter() - t0, 3)
@@ -667,49 +681,133 @@ def _finite_check(dtype: torch.dtype, name: str):
     return check
 
 
+PREFETCH = 1  # components read ahead of the one being computed
+WRITE_QUEUE_BYTES = 256 * 1024 * 1024  # computed tensors waiting for the writer, at most (then the compute waits)
+
+
+class _Writer:
+    """Reading, computing and writing overlapped: two threads (torch and os.pread/pwrite release the GIL) read
+    the next component's tensors and write finished ones while the main thread computes; queued writes hold at
+    most WRITE_QUEUE_BYTES of tensors."""
+
+    def __init__(self) -> None:
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="normfold-stream")
+        self.queue, self.queued = deque(), 0
+
+    def submit(self, fn, *args):
+        return self.pool.submit(fn, *args)
+
+    def write(self, fn, *args, nbytes: int = 0) -> None:
+        while self.queue and self.queued + nbytes > WRITE_QUEUE_BYTES:
+            self._pop()
+        self.queue.append((self.pool.submit(fn, *args), nbytes))
+        self.queued += nbytes
+
+    def _pop(self) -> None:
+        future, n = self.queue.popleft()
+        self.queued -= n
+        future.result()  # a write's error (disk full, NaN in a copied tensor) surfaces here
+
+    def drain(self) -> None:
+        while self.queue:
+            self._pop()
+
+    def close(self, ok: bool) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=not ok)
+
+
+class _Progress:
+    """One line per output file: bytes done, rate and time left from the average rate since the start (it
+    does not jump with one slow or fast tensor)."""
+
+    def __init__(self, total: int, say) -> None:
+        self.total, self.say, self.t0, self.done = max(total, 1), say, time.perf_counter(), 0
+
+    def file(self, fname: str, n: int) -> None:
+        dt = time.perf_counter() - self.t0
+        line = f"writing {fname} ({n} tensors): {self.done / 1e9:.2f} of {self.total / 1e9:.2f} GB"
+        if self.done and dt > 0.5:
+            rate = self.done / dt
+            line += f", {rate / 1e9:.2f} GB/s, ~{(self.total - self.done) / rate:.0f} s left"
+        self.say(line)
+
+
 def _write(out: Path, files, outputs, owner, comps, computer: Computer, names, source: Source, say) -> dict:
-    """Write each output file: header first, then every tensor at its offset; a component is computed when
-    its first output comes up and its other outputs wait in `pending` (same file, see _assign_files)."""
-    weight_map = {}
-    pending: dict[str, torch.Tensor] = {}
-    total = 0
+    """Write each output file: header first, then every tensor at its offset. Components are computed in the
+    order their first output comes up (their other outputs wait in `pending`: same file, see _assign_files),
+    the next one's tensors read ahead by a thread; tensors go to a writer thread."""
+    layouts, order, seen = [], [], set()
     for fname, tensors in files.items():
-        by_name = {o.name: o for o in tensors}
         header, placed = st.layout({o.name: (st.ST_DTYPES[o.dtype], o.shape) for o in tensors}, METADATA)
-        say(f"writing {fname} ({len(tensors)} tensors)")
-        fd = os.open(out / fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        try:
+        layouts.append((fname, {o.name: o for o in tensors}, header, placed))
+        for name, _, _ in placed:
+            i = owner.get(name)
+            if i is not None and i not in seen:
+                seen.add(i)
+                order.append(i)
+    progress = _Progress(sum(n for *_, placed in layouts for _, _, n in placed), say)
+    weight_map: dict[str, str] = {}
+    pending: dict[str, torch.Tensor] = {}
+    reads: dict[int, object] = {}
+    done = {"next": 0}  # position in `order` of the next component to compute
+    total = 0
+    fds: list[int] = []
+    io_ = _Writer()
+    ok = False
+
+    def inputs(i: int) -> dict[str, torch.Tensor]:
+        k = done["next"]
+        for j in order[k:k + 1 + PREFETCH]:
+            if j not in reads:
+                reads[j] = io_.submit(computer.read, comps[j])
+        done["next"] = k + 1
+        return reads.pop(i).result()
+
+    try:
+        for fname, by_name, header, placed in layouts:
+            progress.file(fname, len(placed))
+            fd = os.open(out / fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            fds.append(fd)
             st._write_all(fd, header, 0)
             base = len(header)
             _preallocate(fd, base + sum(n for _, _, n in placed))
             for name, offset, nbytes in placed:
                 o = by_name[name]
                 if o.fill is not None:
-                    st.write_tensor(fd, torch.full(o.shape, o.fill, dtype=o.dtype), base + offset)
+                    io_.write(st.write_tensor, fd, torch.full(o.shape, o.fill, dtype=o.dtype), base + offset,
+                              nbytes=nbytes)
                 elif name in computer.head_means:
-                    st.write_tensor(fd, computer.derived(name), base + offset)
+                    io_.write(st.write_tensor, fd, computer.derived(name), base + offset, nbytes=nbytes)
                 elif name in owner:
                     if name not in pending:
                         i = owner[name]
                         keys = [k for k, v in owner.items() if v == i]
-                        pending.update(computer.run(comps[i], keys))
+                        pending.update(computer.run(comps[i], keys, inputs(i)))
                     t = pending.pop(name)
                     if t.dtype != o.dtype or tuple(t.shape) != o.shape:
                         raise NormfoldError(f"internal: {name} computed as {t.dtype}{list(t.shape)}, "
                                             f"planned {o.dtype}{list(o.shape)}")
-                    st.write_tensor(fd, t, base + offset)
+                    io_.write(st.write_tensor, fd, t, base + offset, nbytes=nbytes)
                     del t
                 else:
                     info = source.tensors[names[name]]
-                    st.copy_range(info.file, info.start, nbytes, fd, base + offset,
-                                  check=_finite_check(o.dtype, names[name]))
+                    io_.write(st.copy_range, info.file, info.start, nbytes, fd, base + offset,
+                              _finite_check(o.dtype, names[name]))
                 weight_map[name] = fname
                 total += nbytes
-        finally:
+                progress.done += nbytes
+        io_.drain()
+        ok = True
+    finally:
+        io_.close(ok)  # waits for running jobs (and drops queued ones on failure) before the files close
+        for fd in fds:
             os.close(fd)
     if pending:
         raise NormfoldError(f"internal: computed tensors never written: {sorted(pending)[:5]}")
-    return {"files": list(files), "weight_map": weight_map, "total_size": total}
+    return {"files": [f for f, *_ in layouts], "weight_map": weight_map, "total_size": total}
 
 
 def _preallocate(fd: int, size: int) -> None:

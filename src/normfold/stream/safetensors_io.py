@@ -12,6 +12,7 @@ the same tensor layout as `safetensors.torch.save_file` of the same tensors.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -34,6 +35,60 @@ _RANK = {name: i for i, name in enumerate(
      "BF16", "I32", "U32", "F32", "F64", "I64", "U64"])}
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 CHUNK = 8 * 1024 * 1024
+
+
+# ---- freed memory kept for reuse (no page fault per tensor) -----------------------------------------------
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+_DEFAULT_THRESHOLD = 128 * 1024  # glibc's initial mmap and trim thresholds
+_reusing = 0
+
+
+def _libc():
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:  # not glibc: nothing to tune
+        return None
+
+
+_LIBC = _libc()
+
+
+def reusing_memory() -> bool:
+    """Inside `reuse_freed_memory()`: callers skip their own malloc_trim (it would undo the reuse)."""
+    return _reusing > 0
+
+
+@contextlib.contextmanager
+def reuse_freed_memory(keep_bytes: int = 256 * 1024 * 1024, mmap_from: int = 1024 * 1024 * 1024):
+    """Keep freed tensor memory in the process for the next tensor instead of handing it back.
+
+    glibc serves allocations above its mmap threshold (at most 32 MB, so every weight matrix of a 1.5 B model)
+    with a fresh mmap and returns them with munmap: every tensor read or computed then page-faults over all of
+    its memory (measured: 18.6 s of system time for 1.7 GB converted and verified on a 2-core VM, 5.4 s
+    without). Inside this context, allocations below `mmap_from` come from the heap, up to `keep_bytes` of
+    free heap stay mapped, and all threads share one arena (so a reader thread reuses what the main thread
+    freed). On exit: glibc's initial thresholds again and the free heap trimmed. A no-op without glibc."""
+    global _reusing
+    if _LIBC is None:
+        yield
+        return
+    if _reusing == 0:
+        _LIBC.mallopt(_M_MMAP_THRESHOLD, int(mmap_from))
+        _LIBC.mallopt(_M_TRIM_THRESHOLD, int(keep_bytes))
+        _LIBC.mallopt(_M_ARENA_MAX, 1)
+    _reusing += 1
+    try:
+        yield
+    finally:
+        _reusing -= 1
+        if _reusing == 0:
+            _LIBC.mallopt(_M_MMAP_THRESHOLD, _DEFAULT_THRESHOLD)
+            _LIBC.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_THRESHOLD)
+            _LIBC.malloc_trim(0)
 
 
 @dataclass(frozen=True)
