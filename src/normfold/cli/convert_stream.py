@@ -186,7 +186,8 @@ def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float 
         # (verify.stored_weights_tolerance: 1024 ulp for float32, 8 ulp for 16-bit), unless --fp64-tol is set
         from ..stream.safetensors_io import reuse_freed_memory
 
-        with reuse_freed_memory():  # each unit's weights land in the memory the previous one freed
+        largest = max(p.stat().st_size for p in open_source(source_dir).shards)
+        with reuse_freed_memory(budget=largest):  # each unit's weights reuse what the previous one freed
             report.verification = verify_blockwise(source_dir, out_dir, seed=seed, progress=progress,
                                                    fp64_tol=None if fp64_tol == 1e-9 else fp64_tol)
     else:

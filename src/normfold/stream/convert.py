@@ -403,6 +403,7 @@ class Computer:
 
     def run(self, comp: Component, keys: list[str], tensors: dict[str, torch.Tensor] | None = None
             ) -> dict[str, torch.Tensor]:
+        st.trim_if_over()  # the previous component's memory: kept for reuse unless over budget
         if tensors is None:
             tensors = self.read(comp)
         for name in comp.params:
@@ -460,23 +461,10 @@ class Computer:
         return True
 
 
-def _malloc_trim():
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        return None
-
-
-_TRIM = _malloc_trim()
-
-
 def release_memory() -> None:
-    """Give freed heap memory back to the OS. Tensors of a few MB come from malloc's heap, which glibc does not
-    shrink on its own: without this, resident memory grew ~30 MB per GPT-2-XL layer (fragmentation)."""
-    if _TRIM is not None:
-        _TRIM(0)
+    """Give freed heap memory back to the OS (glibc does not shrink its heap on its own: resident memory grew
+    ~30 MB per GPT-2-XL layer); inside `safetensors_io.reuse_freed_memory` only once over its budget."""
+    st.trim_if_over()
 
 
 def row_chunks(n: int, rows: int) -> list[tuple[int, int]]:
@@ -614,7 +602,8 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     computer = Computer(values_model, plan, options, source, names, compression)
     owner = {k: v for k, v in owner.items() if k not in computer.head_means}  # computed from the source table
     files = _assign_files(source, report, outputs, owner, comps, names)
-    with st.reuse_freed_memory():
+    largest = max(p.stat().st_size for p in source.shards)
+    with st.reuse_freed_memory(budget=largest):
         written = _write(out, files, outputs, owner, comps, computer, names, source, say)
 
     _write_aux(out, structure_model, source.path, report, written)
