@@ -86,9 +86,11 @@ def run_streamed(args, source_dir: Path, summarize=None, prepared=None) -> int:
     guard.inspect_checkpoint(source_dir)  # broken or hostile files end here, before any work
     out = io.check_output_dir(args.out, args.force).absolute()
     steps = Steps(total=2, quiet=args.quiet)
-    steps.start("convert", f"converting {source_dir} shard by shard (--stream)")
     with output_lock(out), _disk_errors(out):
         with staged(out, args.force) as tmp:
+            # announced once the lock and the staging directory exist: a Ctrl-C / SIGTERM from here on
+            # removes both (signal tests send it as soon as this line appears)
+            steps.start("convert", f"converting {source_dir} shard by shard (--stream)")
             prepared = prepared or _prepare(args, source_dir)
             report = stream_convert(source_dir, tmp, prepared=prepared, progress=steps.note)
             steps.start("verify", "verifying")
