@@ -186,12 +186,10 @@ def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float 
         (Path(out_dir) / io.REPORT_FILE).write_text(report.to_json() + "\n")  # its structure is replayed
         # the stored (rounded) weights run in float64, so the tolerance is `normfold verify`'s
         # (verify.stored_weights_tolerance: 1024 ulp for float32, 8 ulp for 16-bit), unless --fp64-tol is set
-        from ..stream.safetensors_io import reuse_freed_memory
-
-        largest = max(p.stat().st_size for p in open_source(source_dir).shards)
-        with reuse_freed_memory(budget=largest):  # each unit's weights reuse what the previous one freed
-            report.verification = verify_blockwise(source_dir, out_dir, seed=seed, progress=progress,
-                                                   fp64_tol=None if fp64_tol == 1e-9 else fp64_tol)
+        # (not inside safetensors_io.reuse_freed_memory: its peak, the float64 embedding table, is one unit, and
+        # keeping freed memory within budget saved little system time there: 9.6 -> 8.2 s, 1215 -> 1247 MB)
+        report.verification = verify_blockwise(source_dir, out_dir, seed=seed, progress=progress,
+                                               fp64_tol=None if fp64_tol == 1e-9 else fp64_tol)
     else:
         original, _ = io.load_source(source_dir)
         converted = io.load(out_dir)
