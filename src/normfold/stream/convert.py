@@ -712,16 +712,29 @@ class _Progress:
     """One line per output file: bytes done, rate and time left from the average rate since the start (it
     does not jump with one slow or fast tensor)."""
 
+    STEP = 0.1  # and a line each time another tenth of the bytes is done
+
     def __init__(self, total: int, say) -> None:
         self.total, self.say, self.t0, self.done = max(total, 1), say, time.perf_counter(), 0
+        self.fname, self.next = "", self.STEP
 
-    def file(self, fname: str, n: int) -> None:
+    def _line(self, head: str) -> None:
         dt = time.perf_counter() - self.t0
-        line = f"writing {fname} ({n} tensors): {self.done / 1e9:.2f} of {self.total / 1e9:.2f} GB"
+        line = f"{head}: {self.done / 1e9:.2f} of {self.total / 1e9:.2f} GB"
         if self.done and dt > 0.5:
             rate = self.done / dt
             line += f", {rate / 1e9:.2f} GB/s, ~{(self.total - self.done) / rate:.0f} s left"
         self.say(line)
+
+    def file(self, fname: str, n: int) -> None:
+        self.fname = fname
+        self._line(f"writing {fname} ({n} tensors)")
+
+    def add(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.done / self.total >= self.next and self.done < self.total:
+            self.next = (int(self.done / self.total / self.STEP) + 1) * self.STEP
+            self._line(f"  {self.fname}")
 
 
 def _write(out: Path, files, outputs, owner, comps, computer: Computer, names, source: Source, say) -> dict:
@@ -784,10 +797,11 @@ def _write(out: Path, files, outputs, owner, comps, computer: Computer, names, s
                 else:
                     info = source.tensors[names[name]]
                     io_.write(st.copy_range, info.file, info.start, nbytes, fd, base + offset,
-                              _finite_check(o.dtype, names[name]))
+                              _finite_check(o.dtype, names[name]), nbytes=nbytes)  # bounds how far ahead
+                    # the progress line counts (a copy holds no tensor: 8 MB chunks)
                 weight_map[name] = fname
                 total += nbytes
-                progress.done += nbytes
+                progress.add(nbytes)
         io_.drain()
         ok = True
     finally:
