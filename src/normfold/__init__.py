@@ -18,6 +18,7 @@ from .convert import convert  # noqa: E402  (the function shadows the submodule 
 from .io import load, save  # noqa: E402
 from .unified import variant as _un  # noqa: E402,F401  (registers the "un" conversion variant)
 from . import compress as _compress  # noqa: E402,F401  (registers "crmsnorm" and the reverse conversions)
+from . import rotate as _rotate  # noqa: E402,F401  (registers convert(..., rotate=...))
 from .analysis import analyze  # noqa: E402
 from .unified import fuse_offline_norms  # noqa: E402
 

@@ -69,6 +69,41 @@ def register_converted_handler(handler: ConvertedHandler) -> None:
     CONVERTED_HANDLER["handler"] = handler
 
 
+@dataclass(frozen=True)
+class Rotator:
+    """Residual-stream rotation on top of the rmsnorm variant (`convert(..., rotate=KIND)`), registered
+    by `normfold.rotate` (which imports this module). `apply(model, plan, options, report, kind, seed)`
+    converts and rotates in place; `output_map(report.structure.rotation, centred patterns)` returns a (name, tensor) ->
+    tensor map that brings the rotated model's stream outputs back to the original basis."""
+
+    apply: Callable[..., None]
+    output_map: Callable[..., Callable]
+
+
+ROTATOR: dict[str, Rotator] = {}
+
+
+def register_rotator(apply: Callable[..., None], output_map: Callable[..., Callable]) -> None:
+    ROTATOR["rotator"] = Rotator(apply, output_map)
+
+
+def _rotating_variant(variant: Variant, rotate: str, seed: int, keep_affine: bool, online: bool) -> Variant:
+    if variant.name != "rmsnorm":
+        raise UnsupportedConversionError(f"--rotate works with --to rmsnorm (got --to {variant.name}): the "
+                                         "rotated stream is the Pre-RMSNorm one")
+    if keep_affine:
+        raise UnsupportedConversionError("--rotate needs every norm's γ folded into its readers; it cannot be "
+                                         "combined with --keep-affine")
+    if "rotator" not in ROTATOR:  # pragma: no cover - normfold/__init__ imports normfold.rotate
+        raise UnsupportedConversionError("rotation is not available (import normfold.rotate)")
+    rot = ROTATOR["rotator"]
+
+    def apply(model, plan, options, report):
+        rot.apply(model, plan, options, report, rotate, seed, online=online)
+
+    return Variant(variant.name, f"{variant.description}; residual stream rotated ({rotate}, seed {seed})", apply)
+
+
 # ---- checks -----------------------------------------------------------------------------------
 
 def check_finite(model: nn.Module) -> None:
@@ -380,7 +415,8 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
             keep_affine: bool | None = None, fold_final: bool | None = None, allow_new_bias: bool | None = None,
             pad: bool | None = None, variant_options: dict | None = None, adapter: Adapter | None = None,
             inplace: bool = False, verify: bool = True, inputs: dict | None = None, fp64_tol: float = 1e-9,
-            progress: Progress | None = None, auto: bool = False) -> tuple[nn.Module, ConversionReport]:
+            progress: Progress | None = None, auto: bool = False, rotate: str | None = None, rotate_seed: int = 0,
+            rotate_online: bool = False) -> tuple[nn.Module, ConversionReport]:
     """Convert `model` and return (converted model in eval mode, report).
 
     The original is not modified unless `inplace=True`. With `verify=True` (default) both models
@@ -396,6 +432,11 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
     How to convert is `options` (a `normfold.ConvertOptions`) or its fields as keywords (`to`,
     `keep_affine`, `fold_final`, `allow_new_bias`, `pad`, `variant_options`); a keyword overrides the
     object's field. Defaults: to="rmsnorm", γ/β folded into readers, final norms kept.
+    `rotate` ("hadamard" or "orthogonal", seeded by `rotate_seed`): after the Pre-RMSNorm conversion with
+    every γ folded (final norms into their heads), rotate each residual stream by an orthogonal Q that
+    fixes the all-ones direction (`normfold.rotate`); refused with the reason where it cannot be exact.
+    `rotate_online`: also an online Hadamard before every MLP down-projection (exact; the checkpoint then
+    needs `normfold.load`).
     """
     options = resolve_options(options, "normfold.convert", to=to, keep_affine=keep_affine, fold_final=fold_final,
                               allow_new_bias=allow_new_bias, pad=pad, variant_options=variant_options)
@@ -406,6 +447,12 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
     if to not in VARIANTS:
         raise UnsupportedConversionError(f"unknown conversion target {to!r}; available: {', '.join(VARIANTS)}")
     variant = VARIANTS[to]
+    if rotate_online and rotate is None:
+        raise UnsupportedConversionError("--rotate-online needs --rotate hadamard|orthogonal")
+    if rotate is not None:
+        variant = _rotating_variant(variant, rotate, rotate_seed, options.keep_affine, rotate_online)
+        fold_final = True  # the final norms' γ must leave the stream before it is rotated
+        options = options.replace(fold_final=True)
     if variant_options and not variant.takes_options:
         raise UnsupportedConversionError(
             f"--to {to} takes no options (got {', '.join(sorted(variant_options))}); "
@@ -415,6 +462,15 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
     handler = CONVERTED_HANDLER.get("handler")
     if handler is not None and (to == "layernorm" or handler.source_variant(model) != "layernorm"):
         # reverse conversions, paper 001 App. C
+        if rotate is not None:
+            raise UnsupportedConversionError("--rotate converts LayerNorm models; this model already carries "
+                                             "normfold norms (convert the original model with --rotate)")
+        rotation = getattr(getattr(getattr(model, "normfold_report", None), "structure", None), "rotation", None)
+        if rotation and (rotation.get("explicit") or rotation.get("online")):
+            raise UnsupportedConversionError(
+                "this checkpoint's stream is rotated with explicit / online rotation ops (normfold.json "
+                "structure.rotation), which the reverse conversions do not carry over; convert the original "
+                "LayerNorm model instead")
         return handler.convert(model, to, inplace=inplace, verify=verify, inputs=inputs, fp64_tol=fp64_tol,
                                progress=progress, variant_options=variant_options)
     t0 = time.perf_counter()
@@ -463,8 +519,12 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
             return m.eval()
 
         skip = ("last_hidden_state", "hidden_states[-1]") if fold_final else ()
+        if rotate is not None:  # every final norm's output: its γ/β went into the heads (or, head-less, stayed)
+            skip = ("*last_hidden_state", "*hidden_states[-1]")
+        output_map = (ROTATOR["rotator"].output_map(report.structure.rotation, centered_outputs(plan))
+                      if rotate is not None else None)
         report.verification = verify_conversion(
             original, target, inputs, reconvert=reconvert if variant.exact else None, fp64_tol=fp64_tol,
-            skip=skip, centered=centered_outputs(plan)).to_dict()
+            skip=skip, centered=centered_outputs(plan), output_map=output_map).to_dict()
         report.seconds["verify"] = round(time.perf_counter() - t1, 3)
     return target, report

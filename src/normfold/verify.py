@@ -74,11 +74,14 @@ def _resolve_skip(names: list[str], skip) -> set[str]:
     """Skip entries may use negative indices ('hidden_states[-1]') or fnmatch patterns."""
     out = set()
     for pat in skip:
-        if pat.endswith("[-1]"):
-            stem = pat[:-4]
-            idx = [n for n in names if n.startswith(stem + "[") and n[len(stem) + 1:-1].isdigit()]
-            if idx:
-                out.add(max(idx, key=lambda n: int(n[len(stem) + 1:-1])))
+        if pat.endswith("[-1]"):  # the last entry of every tuple output whose name matches the stem pattern
+            last: dict[str, tuple[int, str]] = {}
+            for n in names:
+                stem, br, rest = n.rpartition("[")
+                if br and rest[:-1].isdigit() and rest.endswith("]") and fnmatch.fnmatchcase(stem, pat[:-4]):
+                    if stem not in last or int(rest[:-1]) > last[stem][0]:
+                        last[stem] = (int(rest[:-1]), n)
+            out.update(n for _, n in last.values())
         else:
             out.update(n for n in names if fnmatch.fnmatchcase(n, pat))
     return out
@@ -173,11 +176,17 @@ def stored_weights_tolerance(dtype: torch.dtype) -> float:
 
 # ---- the checks ------------------------------------------------------------------------------------
 
+def _mapped(outputs: dict[str, Tensor], output_map) -> dict[str, Tensor]:
+    return outputs if output_map is None else {k: output_map(k, v) for k, v in outputs.items()}
+
+
 def verify_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *, reconvert=None,
-                      fp64_tol: float = 1e-9, skip=(), centered=CENTERED_OUTPUTS) -> Verification:
+                      fp64_tol: float = 1e-9, skip=(), centered=CENTERED_OUTPUTS,
+                      output_map=None) -> Verification:
     """Run the checks described in the module docstring. `reconvert(model_fp64) -> converted_fp64`
     re-applies the conversion in float64 (None for conversions that are not output-equivalent); it
-    receives a private float64 copy of the original and may convert it in place."""
+    receives a private float64 copy of the original and may convert it in place. `output_map(name, t)`
+    maps each converted output before comparison (a rotated stream back to the original basis)."""
 
     dtype = working_dtype(converted)
     was_training = original.training
@@ -190,14 +199,14 @@ def verify_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *
             # The float64 copy is not needed once its outputs are known: `reconvert` may convert it in
             # place, so a check holds one float64 model at a time (peak memory ~2x the model less).
             conv64, orig64 = reconvert(orig64), None
-            d64 = diff_outputs(run_model(conv64, inputs), exact, skip, centered)
+            d64 = diff_outputs(_mapped(run_model(conv64, inputs), output_map), exact, skip, centered)
             del conv64
             worst = worst_of(d64)
             fp64 = {**worst, "tolerance": fp64_tol, "passed": worst["max_rel_error"] <= fp64_tol,
                     "outputs": [asdict(d) for d in d64]}
         del orig64
         orig_w = run_model(original, inputs)
-        conv_w = run_model(converted, inputs)
+        conv_w = _mapped(run_model(converted, inputs), output_map)
     finally:
         original.train(was_training)
 
@@ -227,7 +236,7 @@ def verify_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *
 
 
 def compare_models(reference: nn.Module, candidate: nn.Module, inputs: dict, *, skip=(),
-                   centered=CENTERED_OUTPUTS) -> Verification:
+                   centered=CENTERED_OUTPUTS, output_map=None) -> Verification:
     """`normfold verify ORIGINAL CONVERTED`: errors of a saved conversion against its original.
 
     Without the conversion recipe there is no exact float64 re-conversion: the float64 check runs
@@ -238,6 +247,7 @@ def compare_models(reference: nn.Module, candidate: nn.Module, inputs: dict, *, 
     stored = working_dtype(candidate)
     tol = stored_weights_tolerance(stored)
     return verify_conversion(reference, candidate, inputs, fp64_tol=tol, skip=skip, centered=centered,
+                             output_map=output_map,
                              reconvert=lambda _orig64: copy.deepcopy(candidate).to(torch.float64).eval())
 
 

@@ -83,6 +83,14 @@ def add_parser(sub) -> None:
     p.add_argument("--pad", action="store_true",
                    help="--to crmsnorm: keep every tensor d-wide with a zero last stream coordinate instead of d-1 "
                         "(paper 001 §3.4.2, for hardware that handles d-1 poorly)")
+    p.add_argument("--rotate", choices=["hadamard", "orthogonal"], default=None,
+                   help="rotate the residual stream by an orthogonal Q fixing the all-ones direction after the "
+                        "Pre-RMSNorm conversion (randomized Hadamard where the width has a construction, else a "
+                        "random orthogonal matrix); exact, for int8/int4 quantization (docs/rotation.md)")
+    p.add_argument("--rotate-seed", type=int, default=0, metavar="N", help="seed of the rotation (default 0)")
+    p.add_argument("--rotate-online", action="store_true",
+                   help="with --rotate: also rotate the input of every MLP down-projection by a Hadamard at run "
+                        "time (exact; for 4-bit activations; the checkpoint then needs normfold.load)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="option of the conversion target, repeatable (--to un: M, M_grad, warmup, alpha, "
                         "outlier_filtration; e.g. --option warmup=500)")
@@ -112,8 +120,13 @@ def add_parser(sub) -> None:
 
 
 def text_inputs(model_dir, text: str) -> dict:
+    from pathlib import Path
+
+    from ..checkpoint import ModelDir
     from ..errors import NormfoldError
 
+    if Path(model_dir).is_dir():  # the tokenizer files through the path policy before transformers reads them
+        ModelDir(model_dir).check_all()
     try:
         from transformers import AutoTokenizer
 
@@ -208,7 +221,8 @@ def _run_in_memory(args) -> int:
     converted, report = convert(model, to=args.to, keep_affine=args.keep_affine, fold_final=args.fold_final,
                                 allow_new_bias=args.allow_new_bias, adapter=adapter, inputs=inputs,
                                 fp64_tol=args.fp64_tol, progress=progress, variant_options=options,
-                                pad=bool(args.pad))
+                                pad=bool(args.pad), rotate=args.rotate, rotate_seed=args.rotate_seed,
+                                rotate_online=args.rotate_online)
     report.source = source
     v = report.verification
     # A variant that is not output-exact (--to un) has nothing to verify: its report says so.

@@ -40,7 +40,9 @@ def blockers(args) -> list[str]:
     if args.to not in STREAMED_TARGETS:
         why.append(f"--to {args.to} (streaming converts --to {' or '.join(STREAMED_TARGETS)})")
     for flag, on in (("--inputs", getattr(args, "inputs", None)), ("--text", args.text), ("--auto", args.auto),
-                     ("--option", args.option), ("--dry-run", args.dry_run)):
+                     ("--option", args.option), ("--dry-run", args.dry_run),
+                     ("--rotate", getattr(args, "rotate", None)),
+                     ("--rotate-online", getattr(args, "rotate_online", False))):
         if on:
             why.append(f"{flag} needs the in-memory model")
     if args.dtype not in ("auto", None):

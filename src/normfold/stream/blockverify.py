@@ -53,24 +53,26 @@ class CheckpointReader:
     tensor out, so nothing stays mapped between units."""
 
     def __init__(self, directory: str | os.PathLike) -> None:
-        self.dir = Path(directory)
+        from ..checkpoint import ModelDir, read_weight_map
+
+        model_dir = ModelDir(directory)  # every file through the path policy: nothing read from outside
+        model_dir.check_all()
+        self.dir = model_dir.path
         self.files: dict[str, Path] = {}
-        indexes = sorted(self.dir.glob("*.safetensors.index.json"))
+        indexes = [n for n in model_dir.entries() if n.endswith(".safetensors.index.json")]
         if indexes:
             for index in indexes:
-                try:
-                    weight_map = json.loads(index.read_text())["weight_map"]
-                except (ValueError, KeyError, TypeError) as exc:
-                    raise CheckpointError(f"{index} is not a valid safetensors index: {exc}") from exc
-                for name, file in weight_map.items():
+                for name, file in read_weight_map(model_dir, index).items():
                     self.files.setdefault(name, self.dir / file)
         else:
             from safetensors import safe_open
 
-            for f in sorted(self.dir.glob("*.safetensors")):
-                with _checkpoint_errors(f), safe_open(str(f), "pt") as h:
-                    for name in h.keys():
-                        self.files.setdefault(name, f)
+            for n in model_dir.entries():
+                if n.endswith(".safetensors") and not n.startswith("."):
+                    f = model_dir.file(n)
+                    with _checkpoint_errors(f), safe_open(str(f), "pt") as h:
+                        for name in h.keys():
+                            self.files.setdefault(name, f)
         if not self.files:
             pickles = [p.name for p in self.dir.glob("*.bin")]
             extra = f" (it has {', '.join(pickles)}: re-save it as safetensors)" if pickles else ""
@@ -670,7 +672,7 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     forward kwargs (default: the adapter's example inputs for `seed`). `progress(message)` is called
     as each pass starts. `fp64_tol` defaults to compare_models' (`verify.stored_weights_tolerance` of
     the stored dtype)."""
-    from ..io import REPORT_FILE, read_report
+    from ..io import REPORT_FILE, inspect_converted
 
     original_dir, converted_dir = Path(original_dir), Path(converted_dir)
     for d in (original_dir, converted_dir):
@@ -678,7 +680,9 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
             raise CheckpointError(f"{d} is not a local model directory with config.json: block-wise verification "
                                   "reads local safetensors checkpoints. Download the model to a directory first, "
                                   "or verify in memory (`normfold verify --no-blockwise`).")
-    report = read_report(converted_dir) if (converted_dir / REPORT_FILE).is_file() else None
+    # a normfold checkpoint: path policy, report schema, and its structure against config.json and the
+    # weights' headers, all before anything is built (as normfold.load checks it)
+    report = inspect_converted(converted_dir)[0] if os.path.lexists(converted_dir / REPORT_FILE) else None
     if centered is None:
         centered = tuple(report.centered_outputs) if report is not None and report.centered_outputs else CENTERED_OUTPUTS
     say = progress or (lambda _msg: None)

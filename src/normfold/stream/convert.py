@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .. import io
+from .. import checkpoint, io
 from ..adapters import find_adapter
 from ..adapters.base import get, parent_and_leaf
 from ..algebra import layout_of
@@ -79,23 +79,9 @@ class Source:
 
 
 def weight_files(source_dir: str | os.PathLike) -> tuple[list[Path], bool] | None:
-    """The safetensors weight files of a model directory (and whether sharded), or None."""
-    d = Path(source_dir)
-    if (d / INDEX).is_file():
-        try:
-            weight_map = json.loads((d / INDEX).read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{d / INDEX} is not a valid safetensors index: {exc}") from exc
-        names = list(dict.fromkeys(weight_map.values()))
-        for n in names:
-            if Path(n).name != n or not (d / n).is_file():
-                raise CheckpointError(f"{d / INDEX} names shard {n!r}, which is not a file in {d} (missing: the "
-                                      "download is incomplete, or a path outside the directory, which normfold "
-                                      "never reads); re-download the checkpoint")
-        return [d / n for n in sorted(names)], True
-    if (d / io.STOCK_WEIGHTS).is_file():
-        return [d / io.STOCK_WEIGHTS], False
-    return None
+    """The safetensors weight files of a model directory (and whether sharded), or None; every name
+    checked by the path policy (`normfold.checkpoint`)."""
+    return checkpoint.weight_files(checkpoint.ModelDir(source_dir), INDEX, io.STOCK_WEIGHTS)
 
 
 def open_source(source_dir: str | os.PathLike) -> Source:
@@ -538,6 +524,7 @@ def prepare(source_dir: str | os.PathLike, *, to: str | None = None, options: Co
     another NormfoldError) when this source or option cannot stream; the CLI's `--stream auto` then
     converts in memory."""
     options = _options(options, to, keep_affine, fold_final, allow_new_bias, pad)
+    checkpoint.ModelDir(source_dir).check_all()  # config, weights, tokenizer files: nothing from outside
     source = open_source(source_dir)
     dtype = _checkpoint_dtype(source)
     original = meta_model(source.path, dtype)
@@ -607,6 +594,7 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         written = _write(out, files, outputs, owner, comps, computer, names, source, say)
 
     _write_aux(out, structure_model, source.path, report, written)
+    report.weight_files = written["digests"]
     report.seconds["convert"] = round(time.perf_counter() - t0, 3)
     report.verification = pending_verification(report.dtype)
     (out / io.REPORT_FILE).write_text(report.to_json() + "\n")
@@ -675,24 +663,26 @@ WRITE_QUEUE_BYTES = 256 * 1024 * 1024  # computed tensors waiting for the writer
 
 
 class _Writer:
-    """Reading, computing and writing overlapped: two threads (torch and os.pread/pwrite release the GIL) read
-    the next component's tensors and write finished ones while the main thread computes; queued writes hold at
-    most WRITE_QUEUE_BYTES of tensors."""
+    """Reading, computing and writing overlapped: a reader thread reads the next component's tensors and a
+    writer thread writes finished ones (in order: each file is written front to back, so its SHA-256 is
+    computed as it goes) while the main thread computes; torch, os.pread/pwrite and hashlib release the GIL.
+    Queued writes hold at most WRITE_QUEUE_BYTES of tensors."""
 
     def __init__(self) -> None:
         from collections import deque
         from concurrent.futures import ThreadPoolExecutor
 
-        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="normfold-stream")
+        self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="normfold-read")
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="normfold-write")
         self.queue, self.queued = deque(), 0
 
     def submit(self, fn, *args):
-        return self.pool.submit(fn, *args)
+        return self.reader.submit(fn, *args)
 
     def write(self, fn, *args, nbytes: int = 0) -> None:
         while self.queue and self.queued + nbytes > WRITE_QUEUE_BYTES:
             self._pop()
-        self.queue.append((self.pool.submit(fn, *args), nbytes))
+        self.queue.append((self.writer.submit(fn, *args), nbytes))
         self.queued += nbytes
 
     def _pop(self) -> None:
@@ -705,7 +695,8 @@ class _Writer:
             self._pop()
 
     def close(self, ok: bool) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=not ok)
+        for pool in (self.reader, self.writer):
+            pool.shutdown(wait=True, cancel_futures=not ok)
 
 
 class _Progress:
@@ -752,11 +743,12 @@ def _write(out: Path, files, outputs, owner, comps, computer: Computer, names, s
                 order.append(i)
     progress = _Progress(sum(n for *_, placed in layouts for _, _, n in placed), say)
     weight_map: dict[str, str] = {}
+    digests: dict[str, dict] = {}
     pending: dict[str, torch.Tensor] = {}
     reads: dict[int, object] = {}
     done = {"next": 0}  # position in `order` of the next component to compute
     total = 0
-    fds: list[int] = []
+    raw_fds: list[int] = []
     io_ = _Writer()
     ok = False
 
@@ -768,14 +760,18 @@ def _write(out: Path, files, outputs, owner, comps, computer: Computer, names, s
         done["next"] = k + 1
         return reads.pop(i).result()
 
+    def digest(fname: str, sink, raw_fd: int) -> None:  # queued after the file's last write
+        digests[fname] = {"sha256": sink.hexdigest(), "bytes": os.fstat(raw_fd).st_size}
+
     try:
         for fname, by_name, header, placed in layouts:
             progress.file(fname, len(placed))
-            fd = os.open(out / fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-            fds.append(fd)
-            st._write_all(fd, header, 0)
+            raw_fd = os.open(out / fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            raw_fds.append(raw_fd)
+            fd = checkpoint.HashingSink(raw_fd, out / fname)  # SHA-256 while writing (tamper evidence)
             base = len(header)
-            _preallocate(fd, base + sum(n for _, _, n in placed))
+            _preallocate(raw_fd, base + sum(n for _, _, n in placed))
+            io_.write(st.write_all, fd, header, 0)
             for name, offset, nbytes in placed:
                 o = by_name[name]
                 if o.fill is not None:
@@ -802,15 +798,16 @@ def _write(out: Path, files, outputs, owner, comps, computer: Computer, names, s
                 weight_map[name] = fname
                 total += nbytes
                 progress.add(nbytes)
+            io_.write(digest, fname, fd, raw_fd)
         io_.drain()
         ok = True
     finally:
         io_.close(ok)  # waits for running jobs (and drops queued ones on failure) before the files close
-        for fd in fds:
-            os.close(fd)
+        for raw_fd in raw_fds:
+            os.close(raw_fd)
     if pending:
         raise NormfoldError(f"internal: computed tensors never written: {sorted(pending)[:5]}")
-    return {"files": [f for f, *_ in layouts], "weight_map": weight_map, "total_size": total}
+    return {"files": [f for f, *_ in layouts], "weight_map": weight_map, "total_size": total, "digests": digests}
 
 
 def _preallocate(fd: int, size: int) -> None:
@@ -834,7 +831,6 @@ def _write_aux(out: Path, model: nn.Module, source_dir: Path, report, written: d
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).__name__]
     config.save_pretrained(out)
-    for f in source_dir.iterdir():
-        if f.is_file() and io._AUXILIARY.fullmatch(f.name):
-            shutil.copy2(f, out / f.name)
-    io._apply_umask(out)
+    for f in checkpoint.ModelDir(source_dir).auxiliary_files():  # checked: nothing from outside the source
+        shutil.copy2(f, out / f.name)
+    io.apply_umask(out)
