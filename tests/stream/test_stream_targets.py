@@ -69,3 +69,20 @@ def test_streamed_crmsnorm_loads_and_computes_the_same(tmp_path):
     ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(mem(input_ids=ids).logits, st(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("kw", [{"to": "rmsnorm"}, {"to": "crmsnorm"}], ids=["rmsnorm-sharded", "crmsnorm-one-file"])
+def test_pipelined_writes_record_each_files_sha256(tmp_path, monkeypatch, kw):
+    """The writer thread writes every file front to back: the SHA-256 recorded while writing (issue 29) is the
+    file's own, computed here with hashlib over the bytes on disk; tiny queues force the overlap's waits."""
+    import hashlib
+
+    from normfold.stream import convert as stream_mod
+
+    monkeypatch.setattr(stream_mod, "WRITE_QUEUE_BYTES", 1024)
+    _, report = _both(tmp_path, "gpt2", "GPT2LMHeadModel", **kw)
+    files = weight_files(tmp_path / "st")
+    assert sorted(report.weight_files) == sorted(f.name for f in files)
+    for f in files:
+        rec = report.weight_files[f.name]
+        assert rec["sha256"] == hashlib.sha256(f.read_bytes()).hexdigest() and rec["bytes"] == f.stat().st_size
