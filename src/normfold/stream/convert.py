@@ -17,6 +17,13 @@ Two passes over one plan, both with the in-memory conversion's own code (normfol
    hold the same bytes as `normfold.convert` + `normfold.save` (tests/stream/test_stream_convert.py).
 
 Tensors no edit touches are copied file to file in bounded chunks (checked finite on the way).
+
+`--to crmsnorm` (and `pad`) streams too: the structure pass runs the crmsnorm variant on the meta model, and each
+computed Pre-RMSNorm tensor then goes through `compress.convert.compressed_value`, the compression's own
+per-tensor operations (same bytes as the in-memory conversion). Reading, computing and writing overlap (a reader
+and a writer thread, `_Writer`), and freed tensor memory is reused within a budget
+(`safetensors_io.reuse_freed_memory`). `prepare` does every check that needs no weights: the CLI's
+`--stream auto` streams whenever it succeeds.
 """
 
 from __future__ import annotations
@@ -445,12 +452,6 @@ class Computer:
             if bias is not None:
                 bias.copy_(_center_bias(bias))
         return True
-
-
-def release_memory() -> None:
-    """Give freed heap memory back to the OS (glibc does not shrink its heap on its own: resident memory grew
-    ~30 MB per GPT-2-XL layer); inside `safetensors_io.reuse_freed_memory` only once over its budget."""
-    st.trim_if_over()
 
 
 def row_chunks(n: int, rows: int) -> list[tuple[int, int]]:
