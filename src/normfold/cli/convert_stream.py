@@ -54,7 +54,7 @@ def blockers(args) -> list[str]:
 
 def _prepare(args, source_dir: Path):
     return prepare(source_dir, to=args.to, keep_affine=args.keep_affine, fold_final=args.fold_final,
-                   allow_new_bias=args.allow_new_bias, pad=args.pad)
+                   allow_new_bias=args.allow_new_bias, pad=args.pad, untie=getattr(args, "untie", False))
 
 
 def maybe_stream(args, summarize=None) -> int | None:
@@ -98,7 +98,8 @@ def run_streamed(args, source_dir: Path, summarize=None, prepared=None) -> int:
             steps.start("verify", "verifying")
             verify_streamed(source_dir, tmp, report, fp64_tol=args.fp64_tol, seed=args.seed,
                              fold_final=args.fold_final, keep_affine=args.keep_affine,
-                             allow_new_bias=args.allow_new_bias, pad=bool(args.pad), progress=steps.note)
+                             allow_new_bias=args.allow_new_bias, pad=bool(args.pad),
+                             untie=getattr(args, "untie", False), progress=steps.note)
             if not args.model:
                 report.source["model"] = "bundled:kjv-gpt2"  # as the in-memory path names it
             v = report.verification
@@ -114,6 +115,9 @@ def run_streamed(args, source_dir: Path, summarize=None, prepared=None) -> int:
                                               "anyway)")
     steps.end()
     report.seconds.update({k: round(t, 3) for k, t in steps.times.items()})
+    before, after = io.weight_file_bytes(source_dir), io.weight_file_bytes(out)
+    if before:
+        report.size["disk_bytes"] = {"before": before, "after": after, "change": after - before}
     (out / io.REPORT_FILE).write_text(report.to_json() + "\n")
     if args.json:
         print(report.to_json())
@@ -169,7 +173,7 @@ def staged(out: Path, force: bool):
 
 def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float = 1e-9, seed: int = 0,
                      fold_final: bool = False, keep_affine: bool = False, allow_new_bias: bool = False,
-                     pad: bool = False, progress=None) -> None:
+                     pad: bool = False, untie: bool = False, progress=None) -> None:
     """Verify a streamed output: sources up to VERIFY_IN_MEMORY_BYTES in memory exactly as `normfold convert`
     verifies them, larger ones block by block in bounded memory (`normfold.stream.blockverify`, same
     tolerances). Updates `report` and normfold.json."""
@@ -198,7 +202,7 @@ def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float 
         adapter = find_adapter(original)
         variant = VARIANTS[report.variant]
         options = ConvertOptions(to=report.variant, keep_affine=keep_affine, fold_final=fold_final,
-                                 allow_new_bias=allow_new_bias, pad=pad)
+                                 allow_new_bias=allow_new_bias, pad=pad, untie=untie)
 
         def reconvert(m):
             scratch = ConversionReport(variant=report.variant, adapter=adapter.name, architecture="", dtype="",

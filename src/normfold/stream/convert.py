@@ -49,7 +49,9 @@ from ..adapters.base import get, parent_and_leaf
 from ..algebra import layout_of
 from ..options import ConvertOptions, resolve as resolve_options
 from ..convert import (VARIANTS, kept_norms, will_fold, center_writer_at, centered_outputs,
-                       fold_scales, layernorm_names, swap_norm, untie, edited_params)
+                       fold_scales, layernorm_names, swap_norm, tied_head_shift, edited_params)
+from ..convert import untie as untie_params
+from ..nn import TiedHead
 from ..compress import convert as compress_convert
 from ..compress.convert import compressed_value, tied_head_mean
 from ..errors import CheckpointError, NonFiniteWeightsError, NormfoldError
@@ -187,8 +189,8 @@ def source_names(model: nn.Module, source: Source) -> dict[str, str]:
 
 @dataclass
 class Edit:
-    kind: str  # "scale" | "center" | "swap"
-    arg: object  # (writer, scale) pair | writer path | NormSite
+    kind: str  # "scale" | "center" | "swap" | "tieprep" | "tiedhead"
+    arg: object  # (writer, scale) pair | writer path | NormSite | TieEdit
     modules: list[str]  # paths of the modules / parameters it changes
     params: list[str]  # parameter names it reads
 
@@ -207,9 +209,37 @@ def _param_names(model: nn.Module, path: str) -> list[str]:
     return [f"{path}.{n}" for n, _ in obj.named_parameters(recurse=False)] if isinstance(obj, nn.Module) else []
 
 
-def plan_edits(model: nn.Module, plan, options: ConvertOptions) -> list[Edit]:
-    """apply_rmsnorm's edits, in its order (scale folds, writers, norms; stream by stream)."""
-    edits = []
+@dataclass(frozen=True)
+class TieEdit:
+    """A head kept tied to a centred table (report.structure.tied_heads), with the norm whose γ it holds."""
+
+    head: str
+    table: str
+    norm: str | None  # the norm site whose γ was folded into the head (its `scale`), else None
+
+
+def tie_edits(model: nn.Module, plan, tied_heads: list[dict]) -> tuple[list[Edit], list[Edit]]:
+    """For each tied head: an edit before every other one (the original table's row means and the norm's γ,
+    read before centring and folding change them) and one after (the TiedHead built from the centred table).
+    Both share the table's parameters with its centring, so all three run in one component."""
+    first, last = [], []
+    sites = {r: site.path for st in plan.streams for site in st.norms for r in site.readers}
+    for rec in tied_heads:
+        norm = sites.get(rec["head"]) if rec["scale"] else None
+        arg = TieEdit(rec["head"], rec["table"], norm)
+        table_params = _param_names(model, rec["table"])
+        first.append(Edit("tieprep", arg, [rec["table"]] + ([norm] if norm else []),
+                          table_params + (_param_names(model, norm) if norm else [])))
+        head_params = [n for n in _param_names(model, rec["head"]) if n.endswith(".bias")]
+        last.append(Edit("tiedhead", arg, [rec["head"], rec["table"]], table_params + head_params))
+    return first, last
+
+
+def plan_edits(model: nn.Module, plan, options: ConvertOptions, tied_heads: list[dict] | None = None) -> list[Edit]:
+    """apply_rmsnorm's edits, in its order (scale folds, writers, norms; stream by stream), with the tied heads'
+    edits around them."""
+    first, last = tie_edits(model, plan, tied_heads or [])
+    edits = list(first)
     for stream in plan.streams:
         for pair in stream.scale_folds:
             paths = list(pair)
@@ -219,7 +249,7 @@ def plan_edits(model: nn.Module, plan, options: ConvertOptions) -> list[Edit]:
         for site in stream.norms:
             paths = [site.path] + (list(site.readers) if will_fold(site, options) else [])
             edits.append(Edit("swap", site, paths, [n for p in paths for n in _param_names(model, p)]))
-    return edits
+    return edits + last
 
 
 def components(edits: list[Edit]) -> list[Component]:
@@ -367,6 +397,7 @@ class Computer:
     def __init__(self, model: nn.Module, plan, options: ConvertOptions, source: Source, names: dict[str, str],
                  compression: dict | None = None):
         self.model, self.plan, self.options, self.source, self.names = model, plan, options, source, names
+        self.ties: dict[str, tuple] = {}  # head -> (original row means, γ or None), from its "tieprep" edit
         self.compression = compression  # Pre-CRMSNorm: compress's record, applied to each computed tensor
         # a TiedCompressedHead's `mean` output: the row means of the head's original (tied) table
         self.head_means = {f"{t['head']}.mean": f"{t['head']}.weight" for t in (compression or {}).get("tied_heads", [])}
@@ -425,6 +456,19 @@ class Computer:
             fold_scales(self.model, [e.arg for e in batch])
         elif kind == "center":
             center_writer_at(self.model, batch[0].arg)
+        elif kind == "tieprep":  # as convert.tie_groups reads them: before any edit
+            t = batch[0].arg
+            table = get(self.model, t.table).weight
+            gamma = get(self.model, t.norm).weight.detach().double().clone() if t.norm else None
+            self.ties[t.head] = (table.detach().double().mean(dim=-1), gamma)
+        elif kind == "tiedhead":  # as convert.keep_ties builds it
+            t = batch[0].arg
+            table = get(self.model, t.table)
+            means, gamma = self.ties.pop(t.head)
+            head = get(self.model, t.head)
+            parent, leaf = parent_and_leaf(self.model, t.head)
+            setattr(parent, leaf, TiedHead(table, tied_head_shift(means, table.weight),
+                                           None if gamma is None else gamma.to(table.weight.dtype), head.bias))
         else:
             swap_norm(self.model, batch[0].arg, will_fold(batch[0].arg, self.options), self.options)
 
@@ -504,9 +548,9 @@ class Prepared:
     options: ConvertOptions
 
 
-def _options(options, to, keep_affine, fold_final, allow_new_bias, pad) -> ConvertOptions:
+def _options(options, to, keep_affine, fold_final, allow_new_bias, pad, untie) -> ConvertOptions:
     options = resolve_options(options, "stream_convert", to=to, keep_affine=keep_affine, fold_final=fold_final,
-                              allow_new_bias=allow_new_bias, pad=pad)
+                              allow_new_bias=allow_new_bias, pad=pad, untie=untie)
     options = options.replace(keep_affine=bool(options.keep_affine))
     if options.to not in STREAMED_TARGETS or options.variant_options:
         what = f"--to {options.to}" if options.to not in STREAMED_TARGETS else "--option"
@@ -519,12 +563,12 @@ def _options(options, to, keep_affine, fold_final, allow_new_bias, pad) -> Conve
 
 def prepare(source_dir: str | os.PathLike, *, to: str | None = None, options: ConvertOptions | None = None,
             keep_affine: bool | None = None, fold_final: bool | None = None, allow_new_bias: bool | None = None,
-            pad: bool | None = None) -> Prepared:
+            pad: bool | None = None, untie: bool | None = None) -> Prepared:
     """Everything `stream_convert` checks before it writes anything (headers, dtypes, names, the adapter and
     its plan, on a meta model: no weights read but norm biases later). Raises StreamUnsupportedError (or
     another NormfoldError) when this source or option cannot stream; the CLI's `--stream auto` then
     converts in memory."""
-    options = _options(options, to, keep_affine, fold_final, allow_new_bias, pad)
+    options = _options(options, to, keep_affine, fold_final, allow_new_bias, pad, untie)
     checkpoint.ModelDir(source_dir).check_all()  # config, weights, tokenizer files: nothing from outside
     source = open_source(source_dir)
     dtype = _checkpoint_dtype(source)
@@ -540,7 +584,8 @@ def prepare(source_dir: str | os.PathLike, *, to: str | None = None, options: Co
 def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *, to: str | None = None,
                    options: ConvertOptions | None = None, keep_affine: bool | None = None,
                    fold_final: bool | None = None, allow_new_bias: bool | None = None, pad: bool | None = None,
-                   progress: Progress | None = None, prepared: Prepared | None = None) -> ConversionReport:
+                   untie: bool | None = None, progress: Progress | None = None,
+                   prepared: Prepared | None = None) -> ConversionReport:
     """Convert the safetensors checkpoint in `source_dir` into `out_dir` (an existing empty directory)
     shard by shard, to Pre-RMSNorm or Pre-CRMSNorm (`pad` too). Writes the weights (sharded like the source
     when it is stock-reloadable, else one normfold_model.safetensors), config.json, the tokenizer/generation
@@ -554,7 +599,7 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     t0 = time.perf_counter()
     if prepared is None:
         prepared = prepare(source_dir, to=to, options=options, keep_affine=keep_affine, fold_final=fold_final,
-                           allow_new_bias=allow_new_bias, pad=pad)
+                           allow_new_bias=allow_new_bias, pad=pad, untie=untie)
     source, dtype, original, names = prepared.source, prepared.dtype, prepared.original, prepared.names
     adapter, plan, options = prepared.adapter, prepared.plan, prepared.options
     to = options.to
@@ -583,8 +628,8 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
 
     # pass 2: values, component by component, on the untransformed meta model
     values_model = copy.deepcopy(original)
-    untie(values_model, edited_params(values_model, plan, options))
-    comps = components(plan_edits(values_model, plan, options))
+    untie_params(values_model, edited_params(values_model, plan, options))
+    comps = components(plan_edits(values_model, plan, options, report.structure.tied_heads))
     owner = _owners(comps, outputs)
     compression = report.structure.compression if to == "crmsnorm" else None
     computer = Computer(values_model, plan, options, source, names, compression)
