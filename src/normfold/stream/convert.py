@@ -558,6 +558,8 @@ def _options(options, to, keep_affine, fold_final, allow_new_bias, pad, untie) -
                                      f"{what} needs the in-memory conversion (--stream never, or normfold.convert)")
     if options.pad and options.to != "crmsnorm":
         raise StreamUnsupportedError("--pad applies to --to crmsnorm only")
+    if options.untie and options.to != "rmsnorm":
+        raise StreamUnsupportedError("--untie applies to --to rmsnorm only")
     return options
 
 
