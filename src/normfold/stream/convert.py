@@ -434,9 +434,8 @@ class Computer:
             parent, leaf = parent_and_leaf(self.model, name)
             setattr(parent, leaf, nn.Parameter(tensors.pop(name), requires_grad=False))
         try:
-            if not self._chunked(comp):
-                for batch in _batches(comp.edits):
-                    self._apply(batch)
+            for batch in _batches(comp.edits):
+                self._apply(batch)
             out = {k: get(self.model, k).detach() for k in keys}
             if self.compression is not None:
                 out = {k: compressed_value(k, v, self.compression) for k, v in out.items()}
@@ -455,29 +454,30 @@ class Computer:
         if kind == "scale":
             fold_scales(self.model, [e.arg for e in batch])
         elif kind == "center":
-            center_writer_at(self.model, batch[0].arg)
+            if not self._center_chunked(batch[0].arg):
+                center_writer_at(self.model, batch[0].arg)
         elif kind == "tieprep":  # as convert.tie_groups reads them: before any edit
             t = batch[0].arg
             table = get(self.model, t.table).weight
             gamma = get(self.model, t.norm).weight.detach().double().clone() if t.norm else None
-            self.ties[t.head] = (table.detach().double().mean(dim=-1), gamma)
+            self.ties[t.head] = (_by_rows(table, lambda rows, a, b: rows.double().mean(dim=-1), torch.float64), gamma)
         elif kind == "tiedhead":  # as convert.keep_ties builds it
             t = batch[0].arg
             table = get(self.model, t.table)
             means, gamma = self.ties.pop(t.head)
+            flat_means = means.reshape(-1)
+            shift = _by_rows(table.weight, lambda rows, a, b: tied_head_shift(flat_means[a:b], rows), table.weight.dtype)
             head = get(self.model, t.head)
             parent, leaf = parent_and_leaf(self.model, t.head)
-            setattr(parent, leaf, TiedHead(table, tied_head_shift(means, table.weight),
-                                           None if gamma is None else gamma.to(table.weight.dtype), head.bias))
+            setattr(parent, leaf, TiedHead(table, shift, None if gamma is None else gamma.to(table.weight.dtype),
+                                           head.bias))
         else:
             swap_norm(self.model, batch[0].arg, will_fold(batch[0].arg, self.options), self.options)
 
-    def _chunked(self, comp: Component) -> bool:
-        """A lone big writer whose output axis is its last (embedding tables, Conv1D): centre it in row
-        chunks, in place, through the same `center_writer_at`."""
-        if len(comp.edits) != 1 or comp.edits[0].kind != "center":
-            return False
-        obj = get(self.model, comp.edits[0].arg)
+    def _center_chunked(self, path: str) -> bool:
+        """A writer whose output axis is its last (embedding tables, Conv1D): centred in row chunks, in place,
+        the same values as `center_writer_at` (rows are independent), float64 only over a chunk."""
+        obj = get(self.model, path)
         if isinstance(obj, nn.Parameter):
             weight, bias, out_dim = obj, None, -1
         else:
@@ -496,6 +496,16 @@ class Computer:
             if bias is not None:
                 bias.copy_(_center_bias(bias))
         return True
+
+
+def _by_rows(t: torch.Tensor, fn, dtype: torch.dtype) -> torch.Tensor:
+    """fn(rows, a, b) -> one value per row, over row chunks of `t` (last axis kept whole): float64 temporaries
+    stay chunk-sized, and the values are those of one call over all rows (each row's reduction is its own)."""
+    flat = t.detach().reshape(-1, t.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=dtype)
+    for a, b in row_chunks(flat.shape[0], CHUNK_BYTES // 8 // max(1, flat.shape[1])):
+        out[a:b] = fn(flat[a:b], a, b)
+    return out.reshape(t.shape[:-1])
 
 
 def row_chunks(n: int, rows: int) -> list[tuple[int, int]]:
