@@ -43,7 +43,7 @@ def test_convert_writes_a_verified_checkpoint(tiny_dir, tmp_path, capsys):
     code, stdout, err = run_cli(["convert", tiny_dir, "--out", out], capsys)
     assert code == 0, err
     assert "float64: converted vs original" in stdout and "pass" in stdout
-    assert "[1/4] loading" in err and "[4/4] writing" in err  # progress on stderr
+    assert "[1/2] converting" in err and "[2/2] verifying" in err  # progress on stderr (streamed: issue 26)
     rep = json.loads((out / "normfold.json").read_text())
     assert rep["verification"]["passed"] and rep["verification"]["fp64"]["max_rel_error"] <= 1e-9
     assert rep["source"]["model"] == str(tiny_dir)

@@ -243,7 +243,8 @@ def test_interrupt_while_saving_removes_the_temporary_output(good, tmp_path, cap
 
     monkeypatch.setattr(safetensors.torch, "save_file", interrupted)
     monkeypatch.setattr(normfold.checkpoint.writer, "write_all", interrupted)  # mid-file, normfold's own writer
-    rc = main(["convert", str(good), "--out", str(tmp_path / "out"), "-q"])
+    # the in-memory save (the streamed path's interrupt: tests/stream/test_stream_cli.py)
+    rc = main(["convert", str(good), "--out", str(tmp_path / "out"), "-q", "--stream", "never"])
     _, err = capsys.readouterr()
     assert rc == 130 and "interrupted; nothing was written" in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []

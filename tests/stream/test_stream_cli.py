@@ -39,16 +39,59 @@ def test_always_streams_and_verifies_small_models(ckpt, tmp_path, capsys):
 
 
 def test_always_refuses_what_needs_memory(ckpt, tmp_path, capsys):
-    code = main(["convert", str(ckpt), "--out", str(tmp_path / "o"), "--stream", "always", "--to", "crmsnorm"])
+    code = main(["convert", str(ckpt), "--out", str(tmp_path / "o"), "--stream", "always", "--text", "hi"])
     assert code == 2
     err = capsys.readouterr().err
-    assert "--stream always" in err and "crmsnorm" in err and "Traceback" not in err
+    assert "--stream always" in err and "--text" in err and "Traceback" not in err
     assert not any(tmp_path.iterdir())
 
 
-def test_auto_keeps_small_models_in_memory(ckpt, tmp_path, capsys):
-    assert main(["convert", str(ckpt), "--out", str(tmp_path / "o"), "-q", "--json"]) == 0
-    assert "normfold.stream" not in " ".join(json.loads(capsys.readouterr().out)["notes"])
+def _streamed_notes(capsys) -> bool:
+    return "normfold.stream" in " ".join(json.loads(capsys.readouterr().out)["notes"])
+
+
+@pytest.mark.parametrize("target", [[], ["--to", "crmsnorm"], ["--to", "crmsnorm", "--pad"]])
+def test_auto_streams_every_local_safetensors_checkpoint(ckpt, tmp_path, capsys, target):
+    """The default rule (issue 26): a local safetensors checkpoint streams whatever its size, for every
+    streamed target; the output is what --stream never writes."""
+    assert main(["convert", str(ckpt), "--out", str(tmp_path / "o"), "-q", "--json", *target]) == 0
+    assert _streamed_notes(capsys)
+    assert main(["convert", str(ckpt), "--out", str(tmp_path / "m"), "-q", "--json", "--stream", "never",
+                 *target]) == 0
+    assert not _streamed_notes(capsys)
+    assert tensors_bytes(tmp_path / "o") == tensors_bytes(tmp_path / "m")
+
+
+@pytest.mark.parametrize("extra", [["--text", "hello"], ["--option", "x=1"], ["--dtype", "float64"],
+                                   ["--dry-run"], ["--to", "un"]])
+def test_auto_keeps_in_memory_what_needs_the_model(ckpt, tmp_path, capsys, extra):
+    code = main(["convert", str(ckpt), "--out", str(tmp_path / "o"), "-q", "--json", *extra])
+    out = capsys.readouterr().out
+    assert code in (0, 1, 2)  # whatever the in-memory path makes of the option
+    assert "normfold.stream" not in out
+
+
+def test_auto_converts_normfold_checkpoints_and_odd_sources_in_memory(ckpt, tmp_path, capsys):
+    """A normfold checkpoint as MODEL (reverse conversion) and a checkpoint that mixes floating dtypes (which
+    `prepare` refuses) go through the in-memory path."""
+    from safetensors.torch import load_file, save_file
+
+    assert main(["convert", str(ckpt), "--out", str(tmp_path / "rms"), "-q", "--to", "crmsnorm"]) == 0
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "rms"), "--to", "rmsnorm", "--out", str(tmp_path / "back"), "-q",
+                 "--json"]) == 0
+    assert not _streamed_notes(capsys)
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    for f in ckpt.iterdir():
+        (mixed / f.name).write_bytes(f.read_bytes())
+    shard = sorted(mixed.glob("*.safetensors"))[0]
+    state = load_file(shard)
+    name = sorted(state)[0]
+    state[name] = state[name].double()
+    save_file(state, shard, metadata={"format": "pt"})
+    main(["convert", str(mixed), "--out", str(tmp_path / "mixed-out"), "-q", "--json"])
+    assert "normfold.stream" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("stream", ["always", "never"])
@@ -96,17 +139,6 @@ def test_two_processes_two_outputs(ckpt, tmp_path):
     files = sorted(f.name for f in (tmp_path / "a").iterdir() if f.suffix == ".safetensors")
     assert all((tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes() for f in files)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
-
-
-def test_auto_streams_above_threshold(ckpt, tmp_path, capsys, monkeypatch):
-    from normfold.cli import convert_stream as stream_cli
-
-    monkeypatch.setattr(stream_cli, "AUTO_BYTES", 1)
-    assert main(["convert", str(ckpt), "--out", str(tmp_path / "o"), "-q", "--json"]) == 0
-    assert "normfold.stream" in " ".join(json.loads(capsys.readouterr().out)["notes"])
-    # an option that needs the in-memory model keeps auto in memory
-    assert main(["convert", str(ckpt), "--out", str(tmp_path / "p"), "-q", "--json", "--text", "x"]) in (0, 2)
-    assert "normfold.stream" not in capsys.readouterr().out
 
 
 def test_disk_full_is_a_user_error(ckpt, tmp_path, capsys, monkeypatch):

@@ -122,9 +122,10 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout instead of a table")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--stream", choices=["auto", "always", "never"], default="auto",
-                   help="convert a safetensors checkpoint shard by shard in bounded memory: auto (default) when "
-                        "MODEL is a local directory of safetensors weights over min(2 GB, 1/3 of available "
-                        "memory) and no option needs the in-memory model; always = stream or say why not; never")
+                   help="convert a safetensors checkpoint shard by shard in bounded memory: auto (default) "
+                        "whenever MODEL is a local directory of safetensors weights that can stream and no option "
+                        "needs the in-memory model (--inputs, --text, --auto, --option, --dry-run, --dtype, "
+                        "--to un/layernorm); always = stream or say why not; never = in memory")
     p.set_defaults(run=run)
 
 

@@ -160,8 +160,9 @@ def compress(model: nn.Module, plan: ConversionPlan, report, pad: bool = False) 
                 raise UnsupportedConversionError(f"{site.path} is a {type(norm).__name__} after the Pre-RMSNorm step")
             squeeze = _compressed_output(site, norm, model, writer_set)
             ref = next(norm.parameters(), None)
-            new = StreamCRMSNorm(d, eps=norm.eps, weight=norm.weight is not None, bias=norm.bias is not None,
-                                 decompress=not squeeze, pad=pad, dtype=ref.dtype if ref is not None else None)
+            with torch.device(ref.device if ref is not None else "cpu"):  # meta in the streamed structure pass
+                new = StreamCRMSNorm(d, eps=norm.eps, weight=norm.weight is not None, bias=norm.bias is not None,
+                                     decompress=not squeeze, pad=pad, dtype=ref.dtype if ref is not None else None)
             with torch.no_grad():
                 if norm.weight is not None:
                     new.weight.copy_(norm.weight)
@@ -276,15 +277,42 @@ def retie_heads(model: nn.Module, plan: ConversionPlan, aliases: dict, compressi
                 if not isinstance(head, nn.Linear) or name not in aliases or aliases[name][0] not in tables:
                     continue
                 original = aliases[name][1]
-                if not torch.equal(head.weight.detach(), original):
+                if not head_unchanged(name, head.weight.detach(), original):
                     continue  # the final norm's affine was folded into it: a different matrix now
                 table = get(model, tables[aliases[name][0]])
-                mean = original.double().mean(dim=-1).to(original.dtype)
+                mean = tied_head_mean(original)
                 new = TiedCompressedHead(table, mean, head.bias, pad=pad)
                 parent, leaf = parent_and_leaf(model, r)
                 setattr(parent, leaf, new)
                 ties.append({"head": r, "table": tables[aliases[name][0]], "bias": head.bias is not None})
     return ties
+
+
+def head_unchanged(name: str, weight: torch.Tensor, original: torch.Tensor) -> bool:
+    """Does the head `name` still hold the original tied table? (On a meta model, which has no values, the
+    streamed conversion answers this from the checkpoint: `normfold.stream.convert`.)"""
+    return torch.equal(weight, original)
+
+
+def compressed_value(name: str, value: torch.Tensor, compression: dict) -> torch.Tensor:
+    """What `compress` makes of parameter `name` of the Pre-RMSNorm model holding `value` (a writer loses or
+    zeroes its last stream coordinate, a reader of a compressed norm output gets W[:d-1] - W[d-1]): the same
+    operations in the same order, so the streamed conversion writes the same bytes. Others unchanged."""
+    pad = bool(compression.get("pad"))
+    dim = compression.get("writer_params", {}).get(name)
+    if dim is not None:
+        value = _drop_or_zero(value, dim, pad)
+    in_dim = compression.get("reader_params", {}).get(name)
+    if in_dim is not None:
+        value = algebra.compress_reader(value, in_dim)
+        if pad:
+            value = algebra.decompress_reader(value, in_dim)
+    return value
+
+
+def tied_head_mean(original: torch.Tensor) -> torch.Tensor:
+    """A TiedCompressedHead's `mean`: the original table's row means, in float64, rounded once."""
+    return original.double().mean(dim=-1).to(original.dtype)
 
 
 def _probe(model: nn.Module, pad: bool) -> None:
@@ -293,6 +321,8 @@ def _probe(model: nn.Module, pad: bool) -> None:
     the user gets an UnsupportedConversionError instead of a model that cannot run."""
     from ..adapters import find_adapter
 
+    if any(p.is_meta for p in model.parameters()):
+        return  # the streamed conversion's structure pass: shapes only (its output is verified after writing)
     kept: list[str] = []
     handles = []
     for name, m in model.named_modules():

@@ -17,6 +17,13 @@ Two passes over one plan, both with the in-memory conversion's own code (normfol
    hold the same bytes as `normfold.convert` + `normfold.save` (tests/stream/test_stream_convert.py).
 
 Tensors no edit touches are copied file to file in bounded chunks (checked finite on the way).
+
+`--to crmsnorm` (and `pad`) streams too: the structure pass runs the crmsnorm variant on the meta model, and each
+computed Pre-RMSNorm tensor then goes through `compress.convert.compressed_value`, the compression's own
+per-tensor operations (same bytes as the in-memory conversion). Reading, computing and writing overlap (a reader
+and a writer thread, `_Writer`), and freed tensor memory is reused within a budget
+(`safetensors_io.reuse_freed_memory`). `prepare` does every check that needs no weights: the CLI's
+`--stream auto` streams whenever it succeeds.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ from ..convert import (VARIANTS, kept_norms, will_fold, center_writer_at, center
                        fold_scales, layernorm_names, swap_norm, tied_head_shift, edited_params)
 from ..convert import untie as untie_params
 from ..nn import TiedHead
+from ..compress import convert as compress_convert
+from ..compress.convert import compressed_value, tied_head_mean
 from ..errors import CheckpointError, NonFiniteWeightsError, NormfoldError
 from ..modelinfo import working_dtype
 from ..report import ConversionReport
@@ -301,6 +310,56 @@ def _norm_betas(model: nn.Module, plan, names: dict[str, str], source: Source) -
     return table
 
 
+@contextlib.contextmanager
+def _heads_unchanged_from(table: dict[str, bool]):
+    """compress.retie_heads asks whether a head still holds its original tied table; on meta tensors answer
+    it from the checkpoint (read beforehand, `_heads_unchanged`), elsewhere as usual."""
+    original = compress_convert.head_unchanged
+
+    def unchanged(name, weight, before):
+        if weight.is_meta:
+            return table.get(name, True)
+        return original(name, weight, before)
+
+    compress_convert.head_unchanged = unchanged
+    try:
+        yield
+    finally:
+        compress_convert.head_unchanged = original
+
+
+def _heads_unchanged(model: nn.Module, plan, names: dict[str, str], source: Source, options) -> dict[str, bool]:
+    """{head weight name: unchanged} for the readers of final norms: swap_norm changes a reader's weight only
+    when it folds γ into it (same decision as swap_norm's, with β read from the checkpoint), and then bit for
+    bit only if γ is not all ones."""
+    from ..algebra import is_conv_reader, is_linear_reader
+
+    def read(path):
+        return st.read_tensor(source.tensors[names[path]])
+
+    table = {}
+    for stream in plan.streams:
+        for site in stream.norms:
+            if not site.final or not site.readers:
+                continue
+            norm = get(model, site.path)
+            readers = [get(model, r) for r in site.readers]
+            fold = will_fold(site, options) and all(is_linear_reader(r) or is_conv_reader(r) for r in readers)
+            has_beta = getattr(norm, "bias", None) is not None and bool(read(f"{site.path}.bias").ne(0).any())
+            fold_beta = fold and has_beta and (options.allow_new_bias or all(
+                _reader_has_bias(r) or p in site.beta_cancels for p, r in zip(site.readers, readers)))
+            fold_gamma = fold and norm.weight is not None and (not has_beta or fold_beta)
+            changed = fold_gamma and not bool(read(f"{site.path}.weight").eq(1).all())
+            for r in site.readers:
+                table[f"{r}.weight"] = not changed
+    return table
+
+
+def _reader_has_bias(reader: nn.Module) -> bool:
+    lay = layout_of(reader)
+    return bool(lay.bias) and getattr(reader, lay.bias, None) is not None
+
+
 @dataclass
 class OutTensor:
     name: str
@@ -335,9 +394,23 @@ def output_tensors(model: nn.Module, report: ConversionReport) -> list[OutTensor
 class Computer:
     """Runs one component at a time on real tensors read from the checkpoint, the rest of the model on meta."""
 
-    def __init__(self, model: nn.Module, plan, options: ConvertOptions, source: Source, names: dict[str, str]):
+    def __init__(self, model: nn.Module, plan, options: ConvertOptions, source: Source, names: dict[str, str],
+                 compression: dict | None = None):
         self.model, self.plan, self.options, self.source, self.names = model, plan, options, source, names
         self.ties: dict[str, tuple] = {}  # head -> (original row means, γ or None), from its "tieprep" edit
+        self.compression = compression  # Pre-CRMSNorm: compress's record, applied to each computed tensor
+        # a TiedCompressedHead's `mean` output: the row means of the head's original (tied) table
+        self.head_means = {f"{t['head']}.mean": f"{t['head']}.weight" for t in (compression or {}).get("tied_heads", [])}
+
+    def derived(self, name: str) -> torch.Tensor:
+        """An output computed from source tensors outside any edit (a tied compressed head's row means, in row
+        chunks: rows are independent, so the bytes are tied_head_mean's over the whole table)."""
+        table = self._read(self.head_means[name])
+        flat = table.reshape(-1, table.shape[-1])
+        out = torch.empty(flat.shape[0], dtype=table.dtype)
+        for a, b in row_chunks(flat.shape[0], CHUNK_BYTES // 8 // max(1, flat.shape[1])):
+            out[a:b] = tied_head_mean(flat[a:b])
+        return out.reshape(table.shape[:-1])
 
     def _read(self, name: str) -> torch.Tensor:
         src = self.names[name]
@@ -347,16 +420,26 @@ class Computer:
                                         "can be exact. Fix or re-download the checkpoint.")
         return t
 
-    def run(self, comp: Component, keys: list[str]) -> dict[str, torch.Tensor]:
-        release_memory()  # the previous component's buffers, freed but kept by malloc
+    def read(self, comp: Component) -> dict[str, torch.Tensor]:
+        """The component's parameters read from the checkpoint and checked finite (thread-safe: the reader
+        thread runs this for the next component while the main thread computes this one)."""
+        return {name: self._read(name) for name in comp.params}
+
+    def run(self, comp: Component, keys: list[str], tensors: dict[str, torch.Tensor] | None = None
+            ) -> dict[str, torch.Tensor]:
+        st.trim_if_over()  # the previous component's memory: kept for reuse unless over budget
+        if tensors is None:
+            tensors = self.read(comp)
         for name in comp.params:
             parent, leaf = parent_and_leaf(self.model, name)
-            setattr(parent, leaf, nn.Parameter(self._read(name), requires_grad=False))
+            setattr(parent, leaf, nn.Parameter(tensors.pop(name), requires_grad=False))
         try:
-            if not self._chunked(comp):
-                for batch in _batches(comp.edits):
-                    self._apply(batch)
-            return {k: get(self.model, k).detach() for k in keys}
+            for batch in _batches(comp.edits):
+                self._apply(batch)
+            out = {k: get(self.model, k).detach() for k in keys}
+            if self.compression is not None:
+                out = {k: compressed_value(k, v, self.compression) for k, v in out.items()}
+            return out
         finally:
             for path in comp.modules:  # back to meta: frees the component's memory
                 obj = get(self.model, path)
@@ -371,29 +454,30 @@ class Computer:
         if kind == "scale":
             fold_scales(self.model, [e.arg for e in batch])
         elif kind == "center":
-            center_writer_at(self.model, batch[0].arg)
+            if not self._center_chunked(batch[0].arg):
+                center_writer_at(self.model, batch[0].arg)
         elif kind == "tieprep":  # as convert.tie_groups reads them: before any edit
             t = batch[0].arg
             table = get(self.model, t.table).weight
             gamma = get(self.model, t.norm).weight.detach().double().clone() if t.norm else None
-            self.ties[t.head] = (table.detach().double().mean(dim=-1), gamma)
+            self.ties[t.head] = (_by_rows(table, lambda rows, a, b: rows.double().mean(dim=-1), torch.float64), gamma)
         elif kind == "tiedhead":  # as convert.keep_ties builds it
             t = batch[0].arg
             table = get(self.model, t.table)
             means, gamma = self.ties.pop(t.head)
+            flat_means = means.reshape(-1)
+            shift = _by_rows(table.weight, lambda rows, a, b: tied_head_shift(flat_means[a:b], rows), table.weight.dtype)
             head = get(self.model, t.head)
             parent, leaf = parent_and_leaf(self.model, t.head)
-            setattr(parent, leaf, TiedHead(table, tied_head_shift(means, table.weight),
-                                           None if gamma is None else gamma.to(table.weight.dtype), head.bias))
+            setattr(parent, leaf, TiedHead(table, shift, None if gamma is None else gamma.to(table.weight.dtype),
+                                           head.bias))
         else:
             swap_norm(self.model, batch[0].arg, will_fold(batch[0].arg, self.options), self.options)
 
-    def _chunked(self, comp: Component) -> bool:
-        """A lone big writer whose output axis is its last (embedding tables, Conv1D): centre it in row
-        chunks, in place, through the same `center_writer_at`."""
-        if len(comp.edits) != 1 or comp.edits[0].kind != "center":
-            return False
-        obj = get(self.model, comp.edits[0].arg)
+    def _center_chunked(self, path: str) -> bool:
+        """A writer whose output axis is its last (embedding tables, Conv1D): centred in row chunks, in place,
+        the same values as `center_writer_at` (rows are independent), float64 only over a chunk."""
+        obj = get(self.model, path)
         if isinstance(obj, nn.Parameter):
             weight, bias, out_dim = obj, None, -1
         else:
@@ -414,23 +498,14 @@ class Computer:
         return True
 
 
-def _malloc_trim():
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        return None
-
-
-_TRIM = _malloc_trim()
-
-
-def release_memory() -> None:
-    """Give freed heap memory back to the OS. Tensors of a few MB come from malloc's heap, which glibc does not
-    shrink on its own: without this, resident memory grew ~30 MB per GPT-2-XL layer (fragmentation)."""
-    if _TRIM is not None:
-        _TRIM(0)
+def _by_rows(t: torch.Tensor, fn, dtype: torch.dtype) -> torch.Tensor:
+    """fn(rows, a, b) -> one value per row, over row chunks of `t` (last axis kept whole): float64 temporaries
+    stay chunk-sized, and the values are those of one call over all rows (each row's reduction is its own)."""
+    flat = t.detach().reshape(-1, t.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=dtype)
+    for a, b in row_chunks(flat.shape[0], CHUNK_BYTES // 8 // max(1, flat.shape[1])):
+        out[a:b] = fn(flat[a:b], a, b)
+    return out.reshape(t.shape[:-1])
 
 
 def row_chunks(n: int, rows: int) -> list[tuple[int, int]]:
@@ -468,37 +543,78 @@ def _batches(edits: list[Edit]) -> list[list[Edit]]:
 
 # ---- the entry point ----------------------------------------------------------------------------------------
 
-def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *, to: str | None = None,
-                   options: ConvertOptions | None = None, keep_affine: bool | None = None,
-                   fold_final: bool | None = None, allow_new_bias: bool | None = None, pad: bool | None = None,
-                   untie: bool | None = None,
-                   progress: Progress | None = None) -> ConversionReport:
-    """Convert the safetensors checkpoint in `source_dir` into `out_dir` (an existing empty directory)
-    shard by shard. Writes the weights (sharded like the source when it is stock-reloadable, else one
-    normfold_model.safetensors), config.json, the tokenizer/generation files and normfold.json.
-    Verification is not run here (the report says so); see `normfold.cli.convert_stream.verify_streamed`."""
+STREAMED_TARGETS = ("rmsnorm", "crmsnorm")
+
+
+@dataclass
+class Prepared:
+    """What `prepare` found: the source, its meta model, names and the adapter's plan."""
+    source: Source
+    dtype: torch.dtype
+    original: nn.Module
+    names: dict[str, str]
+    adapter: object
+    plan: object
+    options: ConvertOptions
+
+
+def _options(options, to, keep_affine, fold_final, allow_new_bias, pad, untie) -> ConvertOptions:
     options = resolve_options(options, "stream_convert", to=to, keep_affine=keep_affine, fold_final=fold_final,
                               allow_new_bias=allow_new_bias, pad=pad, untie=untie)
     options = options.replace(keep_affine=bool(options.keep_affine))
-    to = options.to
-    say = progress or (lambda msg: None)
-    if to != "rmsnorm" or options.pad or options.variant_options:
-        raise StreamUnsupportedError(f"streaming converts --to rmsnorm only; --to {to} needs the in-memory "
-                                     "conversion (--stream never, or normfold.convert)")
-    out = Path(out_dir)
-    if not out.is_dir() or any(out.iterdir()):
-        raise NormfoldError(f"{out} must be an existing empty directory")
-    t0 = time.perf_counter()
+    if options.to not in STREAMED_TARGETS or options.variant_options:
+        what = f"--to {options.to}" if options.to not in STREAMED_TARGETS else "--option"
+        raise StreamUnsupportedError(f"streaming converts --to {' or '.join(STREAMED_TARGETS)} without --option; "
+                                     f"{what} needs the in-memory conversion (--stream never, or normfold.convert)")
+    if options.pad and options.to != "crmsnorm":
+        raise StreamUnsupportedError("--pad applies to --to crmsnorm only")
+    if options.untie and options.to != "rmsnorm":
+        raise StreamUnsupportedError("--untie applies to --to rmsnorm only")
+    return options
+
+
+def prepare(source_dir: str | os.PathLike, *, to: str | None = None, options: ConvertOptions | None = None,
+            keep_affine: bool | None = None, fold_final: bool | None = None, allow_new_bias: bool | None = None,
+            pad: bool | None = None, untie: bool | None = None) -> Prepared:
+    """Everything `stream_convert` checks before it writes anything (headers, dtypes, names, the adapter and
+    its plan, on a meta model: no weights read but norm biases later). Raises StreamUnsupportedError (or
+    another NormfoldError) when this source or option cannot stream; the CLI's `--stream auto` then
+    converts in memory."""
+    options = _options(options, to, keep_affine, fold_final, allow_new_bias, pad, untie)
     checkpoint.ModelDir(source_dir).check_all()  # config, weights, tokenizer files: nothing from outside
     source = open_source(source_dir)
     dtype = _checkpoint_dtype(source)
-
     original = meta_model(source.path, dtype)
     names = source_names(original, source)
     adapter = find_adapter(original)
     if adapter.check is not None:
         adapter.check(original)
     plan = adapter.plan(original)
+    return Prepared(source, dtype, original, names, adapter, plan, options)
+
+
+def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *, to: str | None = None,
+                   options: ConvertOptions | None = None, keep_affine: bool | None = None,
+                   fold_final: bool | None = None, allow_new_bias: bool | None = None, pad: bool | None = None,
+                   untie: bool | None = None, progress: Progress | None = None,
+                   prepared: Prepared | None = None) -> ConversionReport:
+    """Convert the safetensors checkpoint in `source_dir` into `out_dir` (an existing empty directory)
+    shard by shard, to Pre-RMSNorm or Pre-CRMSNorm (`pad` too). Writes the weights (sharded like the source
+    when it is stock-reloadable, else one normfold_model.safetensors), config.json, the tokenizer/generation
+    files and normfold.json: the same bytes as `normfold.convert` + `normfold.save`.
+    Verification is not run here (the report says so); see `normfold.cli.convert_stream.verify_streamed`.
+    `prepared`: the result of `prepare` for the same source and options (skips redoing it)."""
+    say = progress or (lambda msg: None)
+    out = Path(out_dir)
+    if not out.is_dir() or any(out.iterdir()):
+        raise NormfoldError(f"{out} must be an existing empty directory")
+    t0 = time.perf_counter()
+    if prepared is None:
+        prepared = prepare(source_dir, to=to, options=options, keep_affine=keep_affine, fold_final=fold_final,
+                           allow_new_bias=allow_new_bias, pad=pad, untie=untie)
+    source, dtype, original, names = prepared.source, prepared.dtype, prepared.original, prepared.names
+    adapter, plan, options = prepared.adapter, prepared.plan, prepared.options
+    to = options.to
     say(f"{type(original).__name__}, {dtype}, {len(source.shards)} shard(s), adapter {adapter.display_name}")
 
     # pass 1: the structure and the report, by the variant's own apply, on meta tensors
@@ -511,7 +627,8 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                               stock_reloadable=plan.stock_reloadable, notes=list(plan.notes),
                               centered_outputs=list(centered_outputs(plan)))
     before = measure(original)
-    with _beta_zero_from(_norm_betas(structure_model, plan, names, source)):
+    with _beta_zero_from(_norm_betas(structure_model, plan, names, source)), \
+            _heads_unchanged_from(_heads_unchanged(structure_model, plan, names, source, options)):
         VARIANTS[to].apply(structure_model, plan, options, report)
     structure_model.eval()
     report.size = size_report(before, structure_model)
@@ -526,9 +643,13 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     untie_params(values_model, edited_params(values_model, plan, options))
     comps = components(plan_edits(values_model, plan, options, report.structure.tied_heads))
     owner = _owners(comps, outputs)
-    computer = Computer(values_model, plan, options, source, names)
+    compression = report.structure.compression if to == "crmsnorm" else None
+    computer = Computer(values_model, plan, options, source, names, compression)
+    owner = {k: v for k, v in owner.items() if k not in computer.head_means}  # computed from the source table
     files = _assign_files(source, report, outputs, owner, comps, names)
-    written = _write(out, files, outputs, owner, comps, computer, names, source, say)
+    largest = max(p.stat().st_size for p in source.shards)
+    with st.reuse_freed_memory(budget=largest):
+        written = _write(out, files, outputs, owner, comps, computer, names, source, say)
 
     _write_aux(out, structure_model, source.path, report, written)
     report.weight_files = written["digests"]
@@ -595,50 +716,156 @@ def _finite_check(dtype: torch.dtype, name: str):
     return check
 
 
+PREFETCH = 1  # components read ahead of the one being computed
+WRITE_QUEUE_BYTES = 256 * 1024 * 1024  # computed tensors waiting for the writer, at most (then the compute waits)
+
+
+class _Writer:
+    """Reading, computing and writing overlapped: a reader thread reads the next component's tensors and a
+    writer thread writes finished ones (in order: each file is written front to back, so its SHA-256 is
+    computed as it goes) while the main thread computes; torch, os.pread/pwrite and hashlib release the GIL.
+    Queued writes hold at most WRITE_QUEUE_BYTES of tensors."""
+
+    def __init__(self) -> None:
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="normfold-read")
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="normfold-write")
+        self.queue, self.queued = deque(), 0
+
+    def submit(self, fn, *args):
+        return self.reader.submit(fn, *args)
+
+    def write(self, fn, *args, nbytes: int = 0) -> None:
+        while self.queue and self.queued + nbytes > WRITE_QUEUE_BYTES:
+            self._pop()
+        self.queue.append((self.writer.submit(fn, *args), nbytes))
+        self.queued += nbytes
+
+    def _pop(self) -> None:
+        future, n = self.queue.popleft()
+        self.queued -= n
+        future.result()  # a write's error (disk full, NaN in a copied tensor) surfaces here
+
+    def drain(self) -> None:
+        while self.queue:
+            self._pop()
+
+    def close(self, ok: bool) -> None:
+        for pool in (self.reader, self.writer):
+            pool.shutdown(wait=True, cancel_futures=not ok)
+
+
+class _Progress:
+    """One line per output file: bytes done, rate and time left from the average rate since the start (it
+    does not jump with one slow or fast tensor)."""
+
+    STEP = 0.1  # and a line each time another tenth of the bytes is done
+
+    def __init__(self, total: int, say) -> None:
+        self.total, self.say, self.t0, self.done = max(total, 1), say, time.perf_counter(), 0
+        self.fname, self.next = "", self.STEP
+
+    def _line(self, head: str) -> None:
+        dt = time.perf_counter() - self.t0
+        line = f"{head}: {self.done / 1e9:.2f} of {self.total / 1e9:.2f} GB"
+        if self.done and dt > 0.5:
+            rate = self.done / dt
+            line += f", {rate / 1e9:.2f} GB/s, ~{(self.total - self.done) / rate:.0f} s left"
+        self.say(line)
+
+    def file(self, fname: str, n: int) -> None:
+        self.fname = fname
+        self._line(f"writing {fname} ({n} tensors)")
+
+    def add(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.done / self.total >= self.next and self.done < self.total:
+            self.next = (int(self.done / self.total / self.STEP) + 1) * self.STEP
+            self._line(f"  {self.fname}")
+
+
 def _write(out: Path, files, outputs, owner, comps, computer: Computer, names, source: Source, say) -> dict:
-    """Write each output file: header first, then every tensor at its offset; a component is computed when
-    its first output comes up and its other outputs wait in `pending` (same file, see _assign_files)."""
-    weight_map = {}
+    """Write each output file: header first, then every tensor at its offset. Components are computed in the
+    order their first output comes up (their other outputs wait in `pending`: same file, see _assign_files),
+    the next one's tensors read ahead by a thread; tensors go to a writer thread."""
+    layouts, order, seen = [], [], set()
+    for fname, tensors in files.items():
+        header, placed = st.layout({o.name: (st.ST_DTYPES[o.dtype], o.shape) for o in tensors}, METADATA)
+        layouts.append((fname, {o.name: o for o in tensors}, header, placed))
+        for name, _, _ in placed:
+            i = owner.get(name)
+            if i is not None and i not in seen:
+                seen.add(i)
+                order.append(i)
+    progress = _Progress(sum(n for *_, placed in layouts for _, _, n in placed), say)
+    weight_map: dict[str, str] = {}
     digests: dict[str, dict] = {}
     pending: dict[str, torch.Tensor] = {}
+    reads: dict[int, object] = {}
+    done = {"next": 0}  # position in `order` of the next component to compute
     total = 0
-    for fname, tensors in files.items():
-        by_name = {o.name: o for o in tensors}
-        header, placed = st.layout({o.name: (st.ST_DTYPES[o.dtype], o.shape) for o in tensors}, METADATA)
-        say(f"writing {fname} ({len(tensors)} tensors)")
-        raw_fd = os.open(out / fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        fd = checkpoint.HashingSink(raw_fd, out / fname)  # SHA-256 while writing (tamper evidence)
-        try:
-            st.write_all(fd, header, 0)
+    raw_fds: list[int] = []
+    io_ = _Writer()
+    ok = False
+
+    def inputs(i: int) -> dict[str, torch.Tensor]:
+        k = done["next"]
+        for j in order[k:k + 1 + PREFETCH]:
+            if j not in reads:
+                reads[j] = io_.submit(computer.read, comps[j])
+        done["next"] = k + 1
+        return reads.pop(i).result()
+
+    def digest(fname: str, sink, raw_fd: int) -> None:  # queued after the file's last write
+        digests[fname] = {"sha256": sink.hexdigest(), "bytes": os.fstat(raw_fd).st_size}
+
+    try:
+        for fname, by_name, header, placed in layouts:
+            progress.file(fname, len(placed))
+            raw_fd = os.open(out / fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            raw_fds.append(raw_fd)
+            fd = checkpoint.HashingSink(raw_fd, out / fname)  # SHA-256 while writing (tamper evidence)
             base = len(header)
             _preallocate(raw_fd, base + sum(n for _, _, n in placed))
+            io_.write(st.write_all, fd, header, 0)
             for name, offset, nbytes in placed:
                 o = by_name[name]
                 if o.fill is not None:
-                    st.write_tensor(fd, torch.full(o.shape, o.fill, dtype=o.dtype), base + offset)
+                    io_.write(st.write_tensor, fd, torch.full(o.shape, o.fill, dtype=o.dtype), base + offset,
+                              nbytes=nbytes)
+                elif name in computer.head_means:
+                    io_.write(st.write_tensor, fd, computer.derived(name), base + offset, nbytes=nbytes)
                 elif name in owner:
                     if name not in pending:
                         i = owner[name]
                         keys = [k for k, v in owner.items() if v == i]
-                        pending.update(computer.run(comps[i], keys))
+                        pending.update(computer.run(comps[i], keys, inputs(i)))
                     t = pending.pop(name)
                     if t.dtype != o.dtype or tuple(t.shape) != o.shape:
                         raise NormfoldError(f"internal: {name} computed as {t.dtype}{list(t.shape)}, "
                                             f"planned {o.dtype}{list(o.shape)}")
-                    st.write_tensor(fd, t, base + offset)
+                    io_.write(st.write_tensor, fd, t, base + offset, nbytes=nbytes)
                     del t
                 else:
                     info = source.tensors[names[name]]
-                    st.copy_range(info.file, info.start, nbytes, fd, base + offset,
-                                  check=_finite_check(o.dtype, names[name]))
+                    io_.write(st.copy_range, info.file, info.start, nbytes, fd, base + offset,
+                              _finite_check(o.dtype, names[name]), nbytes=nbytes)  # bounds how far ahead
+                    # the progress line counts (a copy holds no tensor: 8 MB chunks)
                 weight_map[name] = fname
                 total += nbytes
-            digests[fname] = {"sha256": fd.hexdigest(), "bytes": os.fstat(raw_fd).st_size}
-        finally:
+                progress.add(nbytes)
+            io_.write(digest, fname, fd, raw_fd)
+        io_.drain()
+        ok = True
+    finally:
+        io_.close(ok)  # waits for running jobs (and drops queued ones on failure) before the files close
+        for raw_fd in raw_fds:
             os.close(raw_fd)
     if pending:
         raise NormfoldError(f"internal: computed tensors never written: {sorted(pending)[:5]}")
-    return {"files": list(files), "weight_map": weight_map, "total_size": total, "digests": digests}
+    return {"files": [f for f, *_ in layouts], "weight_map": weight_map, "total_size": total, "digests": digests}
 
 
 def _preallocate(fd: int, size: int) -> None:

@@ -12,6 +12,7 @@ the same tensor layout as `safetensors.torch.save_file` of the same tensors.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -25,6 +26,84 @@ from ..errors import CheckpointError
 from ..checkpoint.writer import ST_DTYPES, TORCH_DTYPES, layout, write_all  # noqa: F401 (re-exported)
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 CHUNK = 8 * 1024 * 1024
+
+
+# ---- freed memory kept for reuse (no page fault per tensor) -----------------------------------------------
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+_DEFAULT_THRESHOLD = 128 * 1024  # glibc's initial mmap and trim thresholds
+_reusing = 0
+
+
+def _libc():
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:  # not glibc: nothing to tune
+        return None
+
+
+_LIBC = _libc()
+
+
+def reusing_memory() -> bool:
+    """Inside `reuse_freed_memory()`: callers call `trim_if_over` instead of their own malloc_trim."""
+    return _reusing > 0
+
+
+_limit: int | None = None
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+@contextlib.contextmanager
+def reuse_freed_memory(budget: int | None = None, mmap_from: int = 1024 * 1024 * 1024):
+    """Keep freed tensor memory in the process for the next tensor instead of handing it back.
+
+    glibc serves allocations above its mmap threshold (at most 32 MB, so every weight matrix of a 1.5 B model)
+    with a fresh mmap and returns them with munmap: every tensor read or computed then page-faults over all of
+    its memory (measured: 18.6 s of system time for 1.7 GB converted and verified on a 2-core VM, 5.4 s
+    without). Inside this context, allocations below `mmap_from` come from the heap and freed memory stays
+    there, and all threads share one arena (a reader thread reuses what the main thread freed). The heap
+    fragments slowly (tensors of many sizes, Python objects between them), so callers call `trim_if_over` at
+    coarse points: it trims once resident memory exceeds what it was on entry plus `budget`. On exit: glibc's
+    initial thresholds again and the free heap trimmed. A no-op without glibc."""
+    global _reusing, _limit
+    if _LIBC is None:
+        yield
+        return
+    outer = _reusing == 0
+    if outer:
+        _LIBC.mallopt(_M_MMAP_THRESHOLD, int(mmap_from))
+        _LIBC.mallopt(_M_TRIM_THRESHOLD, 64 * 1024 * 1024)
+        _LIBC.mallopt(_M_ARENA_MAX, 1)
+        _limit = None if budget is None else resident_bytes() + int(budget)
+    _reusing += 1
+    try:
+        yield
+    finally:
+        _reusing -= 1
+        if outer:
+            _limit = None
+            _LIBC.mallopt(_M_MMAP_THRESHOLD, _DEFAULT_THRESHOLD)
+            _LIBC.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_THRESHOLD)
+            _LIBC.malloc_trim(0)
+
+
+def trim_if_over() -> None:
+    """Hand the free heap back (malloc_trim) if resident memory is over the budget of `reuse_freed_memory`
+    (always, outside it)."""
+    if _LIBC is not None and (_reusing == 0 or _limit is None or resident_bytes() > _limit):
+        _LIBC.malloc_trim(0)
 
 
 @dataclass(frozen=True)
