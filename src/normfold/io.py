@@ -395,10 +395,12 @@ def _stored_dtype(state: dict) -> torch.dtype | None:
     return torch.float64 if any(t.dtype == torch.float64 for t in state.values()) else None
 
 
-def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> nn.Module:
+def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, *, fast: bool = True) -> nn.Module:
     """Load a checkpoint written by `normfold convert` / `normfold.save` with normfold's fast norms.
 
-    The returned model (eval mode) has the report at `model.normfold_report`."""
+    The returned model (eval mode) has the report at `model.normfold_report`. `fast=False` skips
+    the runtime fast paths of `normfold.fastpath` (exact rewrites of how the model computes, e.g.
+    padded writers on a Pre-CRMS stream); the checkpoint's tensors are the same either way."""
     transformers = _transformers()
     path = Path(path)
     if not path.is_dir():
@@ -432,5 +434,9 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> nn.
     else:
         raise CheckpointError(f"{path} has neither {STOCK_WEIGHTS} nor {NORMFOLD_WEIGHTS}")
     model.eval()
+    if fast:
+        from . import fastpath
+
+        fastpath.apply(model)
     model.normfold_report = report
     return model

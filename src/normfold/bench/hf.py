@@ -88,8 +88,11 @@ QUICK = (VIT_S16, GPT2_4L)
 FULL = (VIT_S16, VIT_S16_B16, GPT2_4L, GPT2_12L)
 
 VARIANTS = ("original", "aa", "rmsnorm", "crmsnorm", "no-norm")
+# optional candidates (run(variants=...)): the converted models loaded with normfold.load(fast=False)
+EXTRA_VARIANTS = ("rmsnorm-plain", "crmsnorm-plain")
 LABELS = {"original": "original (LayerNorm)", "aa": "original copy (A/A)", "rmsnorm": "Pre-RMS",
-          "crmsnorm": "Pre-CRMS", "no-norm": "no norm (floor)"}
+          "crmsnorm": "Pre-CRMS", "no-norm": "no norm (floor)", "rmsnorm-plain": "Pre-RMS, fast=False",
+          "crmsnorm-plain": "Pre-CRMS, fast=False"}
 
 
 def no_norm_copy(model: nn.Module) -> nn.Module:
@@ -108,7 +111,7 @@ def converted(model: nn.Module, to: str, workdir: str, **load_kwargs) -> nn.Modu
     from .. import convert, load, save
 
     conv, report = convert(model, to=to, verify=False)
-    path = f"{workdir}/{to}"
+    path = f"{workdir}/{to}-{len(load_kwargs)}"
     save(conv, report, path, force=True)
     del conv
     return load(path, **load_kwargs)
@@ -125,6 +128,8 @@ def candidates(case: HFCase, dtype: torch.dtype, workdir: str, seed: int = 0,
             out[v] = copy.deepcopy(orig)
         elif v in ("rmsnorm", "crmsnorm"):
             out[v] = converted(orig, v, workdir)
+        elif v in ("rmsnorm-plain", "crmsnorm-plain"):  # normfold.load(fast=False): no runtime fast paths
+            out[v] = converted(orig, v.split("-")[0], workdir, fast=False)
         elif v == "no-norm":
             out[v] = no_norm_copy(orig)
         elif v != "original":
@@ -176,7 +181,7 @@ def run(out_dir="benchmarks", quick: bool = False, rounds: int | None = None, pr
             from ..errors import NormfoldError
 
             raise NormfoldError(f"bench hf: unknown dtype {d!r}; choose from {', '.join(DTYPES)}")
-    variants = tuple(v for v in VARIANTS if v in variants or v == "original")
+    variants = tuple(v for v in VARIANTS + EXTRA_VARIANTS if v in variants or v == "original")
     rounds = rounds or (21 if quick else 31)
     machine = machine_info()
     machine["allocator"] = steady_allocator()

@@ -1,0 +1,157 @@
+"""Runtime fast paths for converted models (issue 24): exact rewrites of how a loaded model computes,
+never of what it computes or of what its checkpoint holds.
+
+`apply(model)` is what `normfold.load` runs (`normfold.load(path, fast=False)` skips it):
+
+- **Padded writers on the d−1 stream** (Pre-CRMS). The linear layers that write the compressed
+  residual stream have d−1 outputs (767 for GPT-2 small, 383 for ViT-S). A float32 GEMM with such an
+  odd output width ran 1.11–1.22× the time of the d-wide one on the 2-vCPU EPYC (oneDNN / MKL, 197 or
+  256 rows; bfloat16 1.00), so each writer's weight (and bias) is moved into a d-wide buffer whose
+  last output is zero; the parameter stays the (d−1)-wide view of it, in place (the state dict,
+  `normfold.save`, optimizers and `load_state_dict` see the same tensor as before), and the forward
+  multiplies by the padded buffer and returns the first d−1 columns (a view: the residual add reads
+  it in place). Measured: 1.03× the d-wide GEMM + add instead of 1.11–1.17×. It runs only where no
+  gradient reaches the weight and not under torch.compile / torch.export (there the plain module
+  runs), and only while the parameter still lives in that buffer (its data pointer is checked each
+  call: `model.to(dtype)` or a reassigned `.data` silently falls back to the plain path).
+  Families: GPT-2 (HF `Conv1D`) and ViT / DeiT (`nn.Linear`), whose blocks only add the writer's
+  output to the stream.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# model_type values whose stream writers' outputs are only ever added to the stream (a strided view
+# is fine there); other families keep the plain writers until checked.
+PADDED_WRITER_FAMILIES = frozenset({"gpt2", "vit", "deit"})
+
+_PAD_W = "_normfold_padded_weight"
+_PAD_B = "_normfold_padded_bias"
+
+
+def _compiling() -> bool:
+    try:
+        return torch.compiler.is_compiling()
+    except AttributeError:  # torch < 2.3
+        return False
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def _out_dim(module: nn.Module) -> int | None:
+    """Which axis of `module.weight` is its output (0 for nn.Linear, 1 for HF Conv1D)."""
+    if isinstance(module, nn.Linear):
+        return 0
+    if _is_conv1d(module):
+        return 1
+    return None
+
+
+def _padded_ok(module: nn.Module, x: Tensor) -> tuple[Tensor, Tensor | None] | None:
+    """The padded (weight, bias) when the fast path may run on this call, else None."""
+    pw = module.__dict__.get(_PAD_W)
+    if pw is None or _compiling():
+        return None
+    w = module.weight
+    if (torch.is_grad_enabled() and w.requires_grad) or w.data_ptr() != pw.data_ptr() or w.dtype is not pw.dtype \
+            or x.dtype is not pw.dtype or x.device != pw.device:
+        return None
+    pb = module.__dict__.get(_PAD_B)
+    b = module.bias
+    if b is None:
+        return pw, None
+    if pb is None or b.data_ptr() != pb.data_ptr() or b.dtype is not pb.dtype or \
+            (torch.is_grad_enabled() and b.requires_grad):
+        return None
+    return pw, pb
+
+
+class PaddedLinear(nn.Linear):
+    """An nn.Linear whose (d−1)-row weight lives in a d-row buffer (see the module docstring)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        padded = _padded_ok(self, x)
+        if padded is None:
+            return F.linear(x, self.weight, self.bias)
+        return F.linear(x, padded[0], padded[1])[..., :-1]
+
+
+_CONV1D_CLASSES: dict[type, type] = {}
+
+
+def _padded_conv1d_class(base: type) -> type:
+    cls = _CONV1D_CLASSES.get(base)
+    if cls is None:
+        def forward(self, x: Tensor) -> Tensor:
+            padded = _padded_ok(self, x)
+            if padded is None:
+                return base.forward(self, x)
+            pw, pb = padded
+            size_out = x.size()[:-1] + (pw.shape[1],)
+            x2 = x.reshape(-1, x.size(-1))
+            out = torch.mm(x2, pw) if pb is None else torch.addmm(pb, x2, pw)
+            return out.view(size_out)[..., :-1]
+
+        cls = type(f"Padded{base.__name__}", (base,), {"forward": forward, "__module__": __name__,
+                                                         "__doc__": "HF Conv1D with a padded weight buffer."})
+        _CONV1D_CLASSES[base] = cls
+    return cls
+
+
+def pad_writer(module: nn.Module) -> bool:
+    """Move a stream writer's (d−1)-wide output weight/bias into a d-wide zero-padded buffer, in place
+    (the parameters become views of it). Returns False (nothing changed) for other module types."""
+    axis = _out_dim(module)
+    if axis is None or module.__dict__.get(_PAD_W) is not None:
+        return False
+    w = module.weight
+    shape = list(w.shape)
+    shape[axis] += 1
+    with torch.no_grad():
+        pw = torch.zeros(shape, dtype=w.dtype, device=w.device)
+        view = pw[:-1] if axis == 0 else pw[:, :-1]
+        view.copy_(w)
+        module.weight = nn.Parameter(view, requires_grad=w.requires_grad)
+        module.__dict__[_PAD_W] = pw
+        b = module.bias
+        if b is not None:
+            pb = torch.zeros(b.shape[0] + 1, dtype=b.dtype, device=b.device)
+            pb[:-1].copy_(b)
+            module.bias = nn.Parameter(pb[:-1], requires_grad=b.requires_grad)
+            module.__dict__[_PAD_B] = pb
+    module.__class__ = PaddedLinear if axis == 0 else _padded_conv1d_class(type(module))
+    return True
+
+
+def stream_writers(model: nn.Module) -> list[nn.Module]:
+    """The linear layers writing a compressed (d−1) residual stream: those whose output width is the
+    compressed width of a StreamCRMSNorm in the model (none in an uncompressed or padded model)."""
+    from .compress.runtime import StreamCRMSNorm
+
+    widths = {m.width - 1 for m in model.modules() if isinstance(m, StreamCRMSNorm) and not m.pad}
+    out = []
+    for m in model.modules():
+        axis = _out_dim(m)
+        if axis is not None and isinstance(getattr(m, "weight", None), Tensor) and m.weight.dim() == 2 \
+                and m.weight.shape[axis] in widths:
+            out.append(m)
+    return out
+
+
+def pad_writers(model: nn.Module) -> int:
+    """Pad every compressed-stream writer of a supported family (PADDED_WRITER_FAMILIES). Returns
+    how many were padded."""
+    family = getattr(getattr(model, "config", None), "model_type", None)
+    if family not in PADDED_WRITER_FAMILIES:
+        return 0
+    return sum(pad_writer(m) for m in stream_writers(model))
+
+
+def apply(model: nn.Module) -> dict:
+    """Every runtime fast path that applies to `model` (in place). Returns what was done."""
+    return {"padded_writers": pad_writers(model)}
