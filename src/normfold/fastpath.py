@@ -97,8 +97,11 @@ def _padded_conv1d_class(base: type) -> type:
             out = torch.mm(x2, pw) if pb is None else torch.addmm(pb, x2, pw)
             return out.view(size_out)[..., :-1]
 
-        cls = type(f"Padded{base.__name__}", (base,), {"forward": forward, "__module__": __name__,
-                                                         "__doc__": "HF Conv1D with a padded weight buffer."})
+        # the same __name__ as the base: code that recognizes HF's Conv1D by name (fix_shape_attrs,
+        # adapters) must still see one
+        cls = type(base.__name__, (base,), {"forward": forward, "__module__": __name__,
+                                            "__qualname__": f"padded.{base.__name__}",
+                                            "__doc__": "HF Conv1D with a padded weight buffer."})
         _CONV1D_CLASSES[base] = cls
     return cls
 
@@ -126,6 +129,11 @@ def pad_writer(module: nn.Module) -> bool:
             module.__dict__[_PAD_B] = pb
     module.__class__ = PaddedLinear if axis == 0 else _padded_conv1d_class(type(module))
     return True
+
+
+def is_padded(module: nn.Module) -> bool:
+    """Whether `module` runs from a padded buffer (pad_writer applied)."""
+    return module.__dict__.get(_PAD_W) is not None
 
 
 def stream_writers(model: nn.Module) -> list[nn.Module]:
