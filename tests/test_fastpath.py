@@ -126,3 +126,85 @@ def test_rmsnorm_models_get_no_padding(tmp_path):
     fast = normfold.load(tmp_path / "rmsnorm")
     assert fastpath.pad_writers(fast) == 0
     assert not any(fastpath.is_padded(m) for m in fast.modules())
+
+
+# ---- fused residual add + norm inside the blocks -------------------------------------------------------
+
+def _wide(family):
+    """Models wide enough that the fused kernel runs (inputs above the LayerNorm route's size)."""
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(n_embd=192, n_layer=2, n_head=4, vocab_size=101, n_positions=128,
+                                      bos_token_id=0, eos_token_id=0)
+        return transformers.GPT2LMHeadModel(cfg).eval(), lambda: {"input_ids": torch.randint(0, 101, (2, 64))}
+    cfg = transformers.ViTConfig(hidden_size=192, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+                                 image_size=64, patch_size=8, num_labels=7)
+    return transformers.ViTForImageClassification(cfg).eval(), lambda: {"pixel_values": torch.randn(2, 3, 64, 64)}
+
+
+@pytest.mark.parametrize("to", ["rmsnorm", "crmsnorm"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fused_blocks_exact_in_float64(tmp_path, family, to):
+    model, make, _ = _converted(tmp_path, family, to)
+    fast, plain = normfold.load(tmp_path / to), normfold.load(tmp_path / to, fast=False)
+    fused = [m for m in fast.modules() if getattr(type(m), fastpath._FUSED_MARK, False)]
+    assert len(fused) == 2 and all(type(m).__name__ in fastpath.FUSED_BLOCKS for m in fused)
+    x = _inputs(make)
+    with torch.no_grad():
+        got, ref, orig = fast(**x).logits, plain(**x).logits, model(**x).logits
+    assert _rel(got, ref) <= 1e-12
+    assert _rel(got, orig) <= 1e-9
+    for m in fused:
+        assert fastpath.unfuse_block(m) and type(m).__name__ in fastpath.FUSED_BLOCKS
+    with torch.no_grad():
+        assert _rel(fast(**x).logits, ref) <= 1e-12
+
+
+@pytest.mark.parametrize("to", ["rmsnorm", "crmsnorm"])
+@pytest.mark.parametrize("family", ["gpt2", "vit"])
+def test_fused_kernel_path_float32(tmp_path, family, to):
+    torch.manual_seed(0)
+    model, make = _wide(family)
+    conv, report = normfold.convert(model, to=to, verify=False)
+    normfold.save(conv, report, tmp_path / to)
+    fast, plain = normfold.load(tmp_path / to), normfold.load(tmp_path / to, fast=False)
+    x = _inputs(make, torch.float32)
+    seen = []
+    norm = fast.transformer.h[0].ln_2 if family == "gpt2" else fast.vit.layers[0].layernorm_after
+    norm.register_forward_hook(lambda mod, args, out: seen.append(len(args)))
+    with torch.no_grad():
+        got, ref, orig = fast(**x).logits, plain(**x).logits, model(**x).logits
+    assert seen == [2]  # the norm was called with the residual: the fused path ran
+    assert _rel(got, ref) <= 1e-5 and _rel(got, orig) <= 1e-5
+
+
+@pytest.mark.parametrize("to", ["rmsnorm", "crmsnorm"])
+def test_fused_generate_tokens_unchanged(tmp_path, to):
+    torch.manual_seed(0)
+    model, make = _wide("gpt2")
+    conv, report = normfold.convert(model, to=to, verify=False)
+    normfold.save(conv, report, tmp_path / to)
+    fast, plain = normfold.load(tmp_path / to), normfold.load(tmp_path / to, fast=False)
+    ids = _inputs(make, torch.float32)["input_ids"]
+    kw = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        assert torch.equal(fast.generate(ids, **kw), plain.generate(ids, **kw))
+        assert torch.equal(fast.generate(ids, **kw), model.generate(ids, **kw))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "vit"])
+def test_fused_model_exports_and_compiles(tmp_path, family):
+    torch.manual_seed(0)
+    model, make = _wide(family)
+    conv, report = normfold.convert(model, to="rmsnorm", verify=False)
+    normfold.save(conv, report, tmp_path / "m")
+    fast = normfold.load(tmp_path / "m")
+    x = _inputs(make, torch.float32)
+    key = "input_ids" if family == "gpt2" else "pixel_values"
+    with torch.no_grad():
+        want = fast(**x).logits
+        kw = {key: x[key], **({"use_cache": False} if family == "gpt2" else {})}
+        ep = torch.export.export(fast, (), kw)
+        torch.testing.assert_close(ep.module()(**kw).logits, want, rtol=1e-5, atol=1e-5)
+        if family == "vit":  # one compile is enough for the tests' time budget
+            compiled = torch.compile(fast, fullgraph=True)
+            torch.testing.assert_close(compiled(**x).logits, want, rtol=1e-5, atol=1e-5)

@@ -387,7 +387,7 @@ def convert(model: nn.Module, to: str = "rmsnorm", *, keep_affine: bool = False,
             allow_new_bias: bool = False, adapter: Adapter | None = None, inplace: bool = False,
             verify: bool = True, inputs: dict | None = None, fp64_tol: float = 1e-9,
             progress: Progress | None = None, variant_options: dict | None = None,
-            auto: bool = False) -> tuple[nn.Module, ConversionReport]:
+            auto: bool = False, fast: bool = True) -> tuple[nn.Module, ConversionReport]:
     """Convert `model` and return (converted model in eval mode, report).
 
     The original is not modified unless `inplace=True`. With `verify=True` (default) both models
@@ -399,6 +399,10 @@ def convert(model: nn.Module, to: str = "rmsnorm", *, keep_affine: bool = False,
     Without `adapter`, the registered adapter of the model's family is used; a model without one (or any
     model with `auto=True`) gets the plan `normfold.analyze` derives, traced on `inputs` (default: made
     from the config's modality, see `normfold.autoplan`).
+
+    `fast` (default True) applies `normfold.fastpath` to the result, as `normfold.load` does: the
+    residual add fused with the next norm in supported blocks, padded Pre-CRMS writers. They change
+    how the model computes (rounding only), not its parameters; fast=False leaves them out.
     """
     say = progress or (lambda msg: None)
     if to not in VARIANTS:
@@ -413,8 +417,12 @@ def convert(model: nn.Module, to: str = "rmsnorm", *, keep_affine: bool = False,
     handler = CONVERTED_HANDLER.get("handler")
     if handler is not None and (to == "layernorm" or handler.source_variant(model) != "layernorm"):
         # reverse conversions, paper 001 App. C
-        return handler.convert(model, to, inplace=inplace, verify=verify, inputs=inputs, fp64_tol=fp64_tol,
-                               progress=progress, variant_options=variant_options)
+        out = handler.convert(model, to, inplace=inplace, verify=verify, inputs=inputs, fp64_tol=fp64_tol,
+                              progress=progress, variant_options=variant_options)
+        from . import fastpath
+
+        fastpath.refresh(out[0], fast)  # the norms and shapes changed: fast paths where they still fit
+        return out
     options = ConvertOptions(keep_affine=keep_affine, fold_final=fold_final, allow_new_bias=allow_new_bias,
                              variant_options=dict(variant_options or {}))
     t0 = time.perf_counter()
@@ -444,6 +452,10 @@ def convert(model: nn.Module, to: str = "rmsnorm", *, keep_affine: bool = False,
     say(f"rewriting weights ({adapter.display_name} adapter, {len(plan.streams)} stream(s))")
     variant.apply(target, plan, options, report)
     target.eval()
+    if fast:
+        from . import fastpath
+
+        fastpath.apply(target)
     target.normfold_report = report  # what the reverse conversions (compress/reverse.py) read back
     report.size = size_report(before, target)
     report.kept = _kept_norms(original, plan, {r.name for r in report.structure.norms})

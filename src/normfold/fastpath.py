@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .nn import CRMSNorm, RMSNorm
+
 # model_type values whose stream writers' outputs are only ever added to the stream (a strided view
 # is fine there); other families keep the plain writers until checked.
 PADDED_WRITER_FAMILIES = frozenset({"gpt2", "vit", "deit"})
@@ -160,6 +162,116 @@ def pad_writers(model: nn.Module) -> int:
     return sum(pad_writer(m) for m in stream_writers(model))
 
 
-def apply(model: nn.Module) -> dict:
+# ---- residual add fused with the next norm, inside the blocks (Liger-Kernel's pattern) ----------------
+
+_NORMS = (RMSNorm, CRMSNorm)  # normfold's norms: forward(x, residual) returns (x + residual, norm(x + residual))
+
+
+def _fusable(norm: nn.Module) -> bool:
+    """A normfold stream norm whose forward takes the fused `residual` argument."""
+    from .compress.runtime import StreamCRMSNorm
+
+    if isinstance(norm, StreamCRMSNorm):
+        return not norm.pad and not norm.decompress
+    return type(norm) in (RMSNorm, CRMSNorm)
+
+
+def _gpt2_block_forward(base):
+    def forward(self, hidden_states, cache=None, attention_mask=None, encoder_hidden_states=None,
+                encoder_attention_mask=None, use_cache=False, **kwargs):
+        if encoder_hidden_states is not None:  # cross-attention blocks: transformers' own code
+            return base.forward(self, hidden_states, cache=cache, attention_mask=attention_mask,
+                                encoder_hidden_states=encoder_hidden_states,
+                                encoder_attention_mask=encoder_attention_mask, use_cache=use_cache, **kwargs)
+        if not isinstance(self.ln_2, _NORMS):  # converted back to LayerNorm since it was fused
+            return base.forward(self, hidden_states, cache=cache, attention_mask=attention_mask,
+                                use_cache=use_cache, **kwargs)
+        residual = hidden_states
+        hidden_states = self.ln_1(hidden_states)
+        attn_output, _ = self.attn(hidden_states, cache=cache, attention_mask=attention_mask, use_cache=use_cache,
+                                   **kwargs)
+        residual, hidden_states = self.ln_2(attn_output, residual)  # attn_output + residual, then ln_2
+        return residual + self.mlp(hidden_states)
+    return forward
+
+
+def _vit_layer_forward(base):
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        if not isinstance(self.layernorm_after, _NORMS):
+            return base.forward(self, hidden_states, attention_mask, **kwargs)
+        residual = hidden_states
+        hidden_states = self.layernorm_before(hidden_states)
+        hidden_states, _ = self.attention(hidden_states, attention_mask, **kwargs)
+        hidden_states = self.dropout(hidden_states)
+        residual, hidden_states = self.layernorm_after(hidden_states, residual)  # + residual, then the norm
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = self.dropout(hidden_states)
+        return hidden_states + residual
+    return forward
+
+
+# block class name -> (the norm that reads the fused sum, forward factory). The patched forwards are
+# transformers 5's GPT2Block / ViTLayer forwards with the first residual add moved into that norm.
+FUSED_BLOCKS = {"GPT2Block": ("ln_2", _gpt2_block_forward), "ViTLayer": ("layernorm_after", _vit_layer_forward)}
+_FUSED_CLASSES: dict[type, type] = {}
+_FUSED_MARK = "_normfold_fused_block"
+
+
+def fuse_block(block: nn.Module) -> bool:
+    """Swap `block`'s class for a subclass (same name) whose forward fuses the residual add with the
+    next norm, when the block is of a supported family and that norm is a normfold stream norm."""
+    spec = FUSED_BLOCKS.get(type(block).__name__)
+    if spec is None or getattr(block, _FUSED_MARK, False) or not _fusable(getattr(block, spec[0], None)):
+        return False
+    base = type(block)
+    cls = _FUSED_CLASSES.get(base)
+    if cls is None:
+        cls = type(base.__name__, (base,), {"forward": spec[1](base), "__module__": __name__,
+                                            "__qualname__": f"fused.{base.__name__}", _FUSED_MARK: True})
+        _FUSED_CLASSES[base] = cls
+    block.__class__ = cls
+    return True
+
+
+def unfuse_block(block: nn.Module) -> bool:
+    """Undo fuse_block (the block gets its transformers class back)."""
+    if not getattr(type(block), _FUSED_MARK, False):
+        return False
+    block.__class__ = type(block).__mro__[1]
+    return True
+
+
+def fuse_blocks(model: nn.Module) -> int:
+    return sum(fuse_block(m) for m in list(model.modules()))
+
+
+def unpad_writer(module: nn.Module) -> bool:
+    """Undo pad_writer: the parameters become tensors of their own again, the class transformers'."""
+    if not is_padded(module):
+        return False
+    with torch.no_grad():
+        for name, key in (("weight", _PAD_W), ("bias", _PAD_B)):
+            buf, p = module.__dict__.pop(key, None), getattr(module, name, None)
+            if buf is not None and isinstance(p, nn.Parameter) and p.data_ptr() == buf.data_ptr():
+                setattr(module, name, nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+    cls = type(module)
+    if cls is PaddedLinear or cls in _CONV1D_CLASSES.values():
+        module.__class__ = cls.__mro__[1]
+    return True
+
+
+def strip(model: nn.Module) -> dict:
+    """Remove every fast path (the model's modules get their transformers classes back)."""
+    mods = list(model.modules())
+    return {"padded_writers": sum(unpad_writer(m) for m in mods), "fused_blocks": sum(unfuse_block(m) for m in mods)}
+
+
+def refresh(model: nn.Module, fast: bool = True) -> dict:
+    """strip, then apply where it still fits (after a conversion changed the model's norms or shapes)."""
+    strip(model)
+    return apply(model) if fast else {"padded_writers": 0, "fused_blocks": 0}
+
+
+def apply(model: nn.Module, *, fuse: bool = True, pad: bool = True) -> dict:
     """Every runtime fast path that applies to `model` (in place). Returns what was done."""
-    return {"padded_writers": pad_writers(model)}
+    return {"padded_writers": pad_writers(model) if pad else 0, "fused_blocks": fuse_blocks(model) if fuse else 0}

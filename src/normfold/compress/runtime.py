@@ -62,9 +62,12 @@ class StreamCRMSNorm(CRMSNorm):
                 f"decompress={self.decompress}, pad={self.pad}, weight={self.weight is not None}, "
                 f"bias={self.bias is not None}")
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None):
         if not self.pad and not self.decompress:
-            return CRMSNorm.forward(self, x)  # the modules' lean CPU path (issue 24)
+            return CRMSNorm.forward(self, x, residual)  # the modules' lean CPU path (issue 24)
+        if residual is not None:
+            s = x + residual
+            return s, self.forward(s)
         if not self.pad:
             n = CRMSNorm.forward(self, x) if self.weight is None and self.bias is None else \
                 ops.crms_norm(x, None, None, self.eps)
