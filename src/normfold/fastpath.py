@@ -16,9 +16,23 @@ never of what it computes or of what its checkpoint holds.
   call: `model.to(dtype)` or a reassigned `.data` silently falls back to the plain path).
   Families: GPT-2 (HF `Conv1D`) and ViT / DeiT (`nn.Linear`), whose blocks only add the writer's
   output to the stream.
+- **Residual add fused with the next norm** inside transformers' `GPT2Block` and `ViTLayer`
+  (Liger-Kernel's pattern: the block's class is swapped for a subclass of the same name whose forward
+  is transformers' own with `h = attn + residual; norm(h)` replaced by one call
+  `residual, h = norm(attn, residual)`; normfold's RMSNorm / CRMSNorm take that optional residual and
+  run `normfold.ops.add_rms_norm` / `add_crms_norm`: one pass, differentiable, torch.compile and
+  torch.export run the registered custom op or the reference formula). Decode-sized inputs
+  (≤ LN_ROUTE_MAX_NUMEL) keep the unfused pair, so `generate()` takes the same route as unfused.
+  Exact: float64 ≤ 1e-12 against the unfused model (tests/test_fastpath.py). The block's MLP add is
+  not fused with the next block's norm (that would change the block's output contract).
+
+`normfold.convert(..., fast=True)` applies the same (and `refresh` after a reverse conversion);
+`strip(model)` removes everything.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -210,9 +224,17 @@ def _vit_layer_forward(base):
     return forward
 
 
-# block class name -> (the norm that reads the fused sum, forward factory). The patched forwards are
-# transformers 5's GPT2Block / ViTLayer forwards with the first residual add moved into that norm.
-FUSED_BLOCKS = {"GPT2Block": ("ln_2", _gpt2_block_forward), "ViTLayer": ("layernorm_after", _vit_layer_forward)}
+# block class name -> (its transformers module, the norm that reads the fused sum, forward factory,
+# the forward's parameters the patch was written against). The patched forwards are transformers 5's
+# GPT2Block / ViTLayer forwards with the first residual add moved into that norm; a transformers whose
+# forward takes other parameters keeps its own code.
+FUSED_BLOCKS = {
+    "GPT2Block": ("transformers.models.gpt2.modeling_gpt2", "ln_2", _gpt2_block_forward,
+                  ("self", "hidden_states", "cache", "attention_mask", "encoder_hidden_states",
+                   "encoder_attention_mask", "use_cache", "kwargs")),
+    "ViTLayer": ("transformers.models.vit.modeling_vit", "layernorm_after", _vit_layer_forward,
+                 ("self", "hidden_states", "attention_mask", "kwargs")),
+}
 _FUSED_CLASSES: dict[type, type] = {}
 _FUSED_MARK = "_normfold_fused_block"
 
@@ -221,12 +243,15 @@ def fuse_block(block: nn.Module) -> bool:
     """Swap `block`'s class for a subclass (same name) whose forward fuses the residual add with the
     next norm, when the block is of a supported family and that norm is a normfold stream norm."""
     spec = FUSED_BLOCKS.get(type(block).__name__)
-    if spec is None or getattr(block, _FUSED_MARK, False) or not _fusable(getattr(block, spec[0], None)):
+    if spec is None or getattr(block, _FUSED_MARK, False) or type(block).__module__ != spec[0] \
+            or not _fusable(getattr(block, spec[1], None)):
         return False
     base = type(block)
     cls = _FUSED_CLASSES.get(base)
     if cls is None:
-        cls = type(base.__name__, (base,), {"forward": spec[1](base), "__module__": __name__,
+        if tuple(inspect.signature(base.forward).parameters) != spec[3]:
+            return False
+        cls = type(base.__name__, (base,), {"forward": spec[2](base), "__module__": __name__,
                                             "__qualname__": f"fused.{base.__name__}", _FUSED_MARK: True})
         _FUSED_CLASSES[base] = cls
     block.__class__ = cls
