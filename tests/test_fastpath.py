@@ -191,11 +191,12 @@ def test_fused_generate_tokens_unchanged(tmp_path, to):
         assert torch.equal(fast.generate(ids, **kw), model.generate(ids, **kw))
 
 
+@pytest.mark.parametrize("to", ["rmsnorm", "crmsnorm"])
 @pytest.mark.parametrize("family", ["gpt2", "vit"])
-def test_fused_model_exports_and_compiles(tmp_path, family):
+def test_fused_model_exports_and_compiles(tmp_path, family, to):
     torch.manual_seed(0)
     model, make = _wide(family)
-    conv, report = normfold.convert(model, to="rmsnorm", verify=False)
+    conv, report = normfold.convert(model, to=to, verify=False)
     normfold.save(conv, report, tmp_path / "m")
     fast = normfold.load(tmp_path / "m")
     x = _inputs(make, torch.float32)
