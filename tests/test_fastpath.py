@@ -146,7 +146,7 @@ def _wide(family):
 def test_fused_blocks_exact_in_float64(tmp_path, family, to):
     model, make, _ = _converted(tmp_path, family, to)
     fast, plain = normfold.load(tmp_path / to), normfold.load(tmp_path / to, fast=False)
-    fused = [m for m in fast.modules() if getattr(type(m), fastpath._FUSED_MARK, False)]
+    fused = [m for m in fast.modules() if fastpath.is_fused(m)]
     assert len(fused) == 2 and all(type(m).__name__ in fastpath.FUSED_BLOCKS for m in fused)
     x = _inputs(make)
     with torch.no_grad():

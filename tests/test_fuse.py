@@ -11,7 +11,7 @@ import normfold
 from helpers import perturb_biases, perturb_norms, rel_err
 from normfold.algebra import fold_into_writer
 from normfold.nn import FixedAffine, OfflineNorm, UnifiedNorm
-from normfold.un import swap_layernorms
+from normfold.unified.variant import swap_layernorms
 
 transformers = pytest.importorskip("transformers")
 from transformers import (  # noqa: E402
@@ -277,7 +277,7 @@ def test_fusion_without_inputs_folds_per_site_and_checks_each_site():
     model = CustomPreNorm()
     _set_statistics(model)
     with pytest.raises(normfold.NormfoldError):
-        normfold.fuse.example_inputs(model)  # nothing to build inputs from: the per-site path is taken
+        normfold.unified.fuse.example_inputs(model)  # nothing to build inputs from: the per-site path is taken
     fused, report = normfold.fuse_offline_norms(model.double())
     assert model.training  # the original keeps its mode; compare in eval mode below
     model.eval()
@@ -299,8 +299,8 @@ def test_per_site_check_catches_a_wrong_fold():
     torch.manual_seed(0)
     model = CustomPreNorm().double()
     _set_statistics(model)
-    bad = normfold.fuse.Decision("norm1", "following", ("fc2",), "test")  # fc2 does not read norm1
+    bad = normfold.unified.fuse.Decision("norm1", "following", ("fc2",), "test")  # fc2 does not read norm1
     with pytest.raises(Exception):
-        normfold.fuse.check_site(model, bad)  # shapes do not even match: 6 features into an 8-input layer
-    good = normfold.fuse.Decision("norm1", "following", ("fc1",), "test")
-    assert normfold.fuse.check_site(model, good) <= 1e-12
+        normfold.unified.fuse.check_site(model, bad)  # shapes do not even match: 6 features into an 8-input layer
+    good = normfold.unified.fuse.Decision("norm1", "following", ("fc1",), "test")
+    assert normfold.unified.fuse.check_site(model, good) <= 1e-12

@@ -121,7 +121,10 @@ def test_force_replaces_only_when_complete(converted, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk full")
 
+    import normfold.checkpoint.writer
+
     monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    monkeypatch.setattr(normfold.checkpoint.writer, "write_all", boom)  # fails mid-file (normfold's own writer)
     with pytest.raises(RuntimeError, match="disk full"):
         normfold.save(conv, report, out, force=True)
     assert (out / "normfold.json").read_text() == stamp  # old directory untouched

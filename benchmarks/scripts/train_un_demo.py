@@ -2,7 +2,7 @@
 
 Task: next-byte prediction on Python's own standard-library source (offline, always present), a
 real and structured text. Every run starts from the same initial weights; only the norm differs
-(`normfold.un.swap_layernorms`). Offline norms are evaluated the way they are deployed: in eval
+(`normfold.unified.variant.swap_layernorms`). Offline norms are evaluated the way they are deployed: in eval
 mode, with their running statistics (which is where BN-style train/eval mismatch shows).
 
     python benchmarks/scripts/train_un_demo.py                     # ~40 s on one idle CPU core
@@ -56,7 +56,7 @@ def make_model(args):
 
 
 def with_norm(model, method: str, args):
-    from normfold.un import swap_layernorms
+    from normfold.unified.variant import swap_layernorms
 
     if method != "ln":
         opts = {"warmup": args.warmup, "M": args.window} if method == "un" else {"warmup": args.warmup}

@@ -13,11 +13,13 @@ from __future__ import annotations
 from ._version import __version__  # noqa: E402,F401
 
 from .errors import NormfoldError  # noqa: E402
+from .options import ConvertOptions  # noqa: E402
 from .convert import convert  # noqa: E402  (the function shadows the submodule name on purpose)
 from .io import load, save  # noqa: E402
-from . import un as _un  # noqa: E402,F401  (registers the "un" conversion variant)
+from .unified import variant as _un  # noqa: E402,F401  (registers the "un" conversion variant)
 from . import compress as _compress  # noqa: E402,F401  (registers "crmsnorm" and the reverse conversions)
+from . import rotate as _rotate  # noqa: E402,F401  (registers convert(..., rotate=...))
 from .analysis import analyze  # noqa: E402
-from .fuse import fuse_offline_norms  # noqa: E402
+from .unified import fuse_offline_norms  # noqa: E402
 
-__all__ = ["__version__", "NormfoldError", "convert", "load", "save", "analyze", "fuse_offline_norms"]
+__all__ = ["__version__", "NormfoldError", "ConvertOptions", "convert", "load", "save", "analyze", "fuse_offline_norms"]

@@ -17,6 +17,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .checkpoint import ModelDir, weight_files
 from .errors import CheckpointError, NormfoldError
 
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -63,45 +64,30 @@ class CheckpointInfo:
 
 
 def inspect_checkpoint(directory: str | os.PathLike) -> CheckpointInfo:
-    """Find the weight files of an HF model directory and validate them without loading them."""
-    directory = Path(directory)
-    if (directory / SAFETENSORS_INDEX).is_file() or (directory / SAFETENSORS_SINGLE).is_file():
-        files = _index_files(directory, SAFETENSORS_INDEX, SAFETENSORS_SINGLE)
+    """Find the weight files of an HF model directory and validate them without loading them.
+
+    Every file normfold or transformers reads from the directory (config, weights, shard index, report,
+    tokenizer files) is first checked by the path policy (`normfold.checkpoint.ModelDir`): one that
+    resolves outside the directory (or outside a Hugging Face cache snapshot's blobs/) is refused."""
+    model_dir = ModelDir(directory)
+    model_dir.check_all()
+    directory = model_dir.path
+    found = weight_files(model_dir, SAFETENSORS_INDEX, SAFETENSORS_SINGLE)
+    if found is not None:
+        files = found[0]
         info = CheckpointInfo(directory, "safetensors", files)
         for f in files:
             for entry in read_safetensors_header(f):
                 info.tensors[entry.name] = entry
         return info
-    if (directory / PICKLE_INDEX).is_file() or (directory / PICKLE_SINGLE).is_file():
-        files = _index_files(directory, PICKLE_INDEX, PICKLE_SINGLE)
+    found = weight_files(model_dir, PICKLE_INDEX, PICKLE_SINGLE)
+    if found is not None:
+        files = found[0]
         for f in files:
             check_pickle_tensors_only(f)
         return CheckpointInfo(directory, "pickle", files)
     raise CheckpointError(f"{directory} could not be loaded as a Hugging Face model: it has no weights (expected {SAFETENSORS_SINGLE}, {SAFETENSORS_INDEX}, "
                           f"{PICKLE_SINGLE} or {PICKLE_INDEX} beside config.json)")
-
-
-def _index_files(directory: Path, index_name: str, single_name: str) -> list[Path]:
-    index = directory / index_name
-    if not index.is_file():
-        return [directory / single_name]
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        names = sorted(set(weight_map.values()))
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{index} is not a valid shard index (JSON with a 'weight_map' of tensor -> file): "
-                              f"{exc}; {_WHAT_TO_DO}") from None
-    files = []
-    for name in names:
-        if not isinstance(name, str) or "/" in name or "\\" in name or name.startswith(".."):
-            raise CheckpointError(f"{index} names the shard {name!r}, which is not a file name inside "
-                                  f"{directory}; refusing to read outside the model directory")
-        f = directory / name
-        if not f.is_file():
-            raise CheckpointError(f"{index} lists {name}, which is missing from {directory}; the download is "
-                                  f"incomplete: {_WHAT_TO_DO}")
-        files.append(f)
-    return files
 
 
 def read_safetensors_header(path: Path) -> list[TensorEntry]:
@@ -184,6 +170,7 @@ def check_pickle_tensors_only(path: Path) -> None:
 
 def check_remote_code(config_path: Path, trust_remote_code: bool) -> None:
     """Refuse a config that needs code from the checkpoint unless the user said --trust-remote-code."""
+    config_path = ModelDir(Path(config_path).parent).file(Path(config_path).name)
     try:
         config = json.loads(config_path.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
@@ -230,5 +217,5 @@ def check_shapes(info: CheckpointInfo, model) -> None:
     if bad:
         more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
         raise CheckpointError(
-            f"{info.directory}: weights do not match config.json: {'; '.join(bad[:3])}{more}. The config and the "
+            f"{info.directory}: weights do not match config.json (tensor shapes differ): {'; '.join(bad[:3])}{more}. The config and the "
             f"weights come from different models or versions: use the config.json published with these weights")

@@ -22,6 +22,7 @@ from . import algebra
 from .adapters import Adapter, ConversionPlan, NormSite
 from .adapters.base import get, parent_and_leaf
 from .errors import NonFiniteWeightsError, UnsupportedConversionError
+from .options import ConvertOptions, resolve as resolve_options
 from .modelinfo import working_dtype  # noqa: F401  (re-exported: normfold.convert.working_dtype)
 from .nn import RMSNorm
 from .nn.hooks import add_input_recenter, add_output_recenter
@@ -29,23 +30,6 @@ from .report import ConversionReport, NormRecord, Structure
 from .verify import CENTERED_OUTPUTS, verify_conversion
 
 Progress = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class ConvertOptions:
-    """How to convert.
-
-    keep_affine: keep every norm's γ/β inside the RMSNorm instead of folding them into readers.
-    fold_final: also fold final norms (ln_f, ...) into their linear heads; the model's normalized
-        last hidden state then lacks the affine (logits are unchanged).
-    allow_new_bias: let a reader without a bias grow one to absorb β (breaks stock reloading);
-        by default β stays in the RMSNorm when some reader has no bias.
-    """
-
-    keep_affine: bool = False
-    fold_final: bool = False
-    allow_new_bias: bool = False
-    variant_options: dict = field(default_factory=dict)  # passed to the variant (e.g. UnifiedNorm's M, warmup)
 
 
 @dataclass
@@ -83,6 +67,41 @@ CONVERTED_HANDLER: dict[str, ConvertedHandler] = {}
 
 def register_converted_handler(handler: ConvertedHandler) -> None:
     CONVERTED_HANDLER["handler"] = handler
+
+
+@dataclass(frozen=True)
+class Rotator:
+    """Residual-stream rotation on top of the rmsnorm variant (`convert(..., rotate=KIND)`), registered
+    by `normfold.rotate` (which imports this module). `apply(model, plan, options, report, kind, seed)`
+    converts and rotates in place; `output_map(report.structure.rotation, centred patterns)` returns a (name, tensor) ->
+    tensor map that brings the rotated model's stream outputs back to the original basis."""
+
+    apply: Callable[..., None]
+    output_map: Callable[..., Callable]
+
+
+ROTATOR: dict[str, Rotator] = {}
+
+
+def register_rotator(apply: Callable[..., None], output_map: Callable[..., Callable]) -> None:
+    ROTATOR["rotator"] = Rotator(apply, output_map)
+
+
+def _rotating_variant(variant: Variant, rotate: str, seed: int, keep_affine: bool, online: bool) -> Variant:
+    if variant.name != "rmsnorm":
+        raise UnsupportedConversionError(f"--rotate works with --to rmsnorm (got --to {variant.name}): the "
+                                         "rotated stream is the Pre-RMSNorm one")
+    if keep_affine:
+        raise UnsupportedConversionError("--rotate needs every norm's γ folded into its readers; it cannot be "
+                                         "combined with --keep-affine")
+    if "rotator" not in ROTATOR:  # pragma: no cover - normfold/__init__ imports normfold.rotate
+        raise UnsupportedConversionError("rotation is not available (import normfold.rotate)")
+    rot = ROTATOR["rotator"]
+
+    def apply(model, plan, options, report):
+        rot.apply(model, plan, options, report, rotate, seed, online=online)
+
+    return Variant(variant.name, f"{variant.description}; residual stream rotated ({rotate}, seed {seed})", apply)
 
 
 # ---- checks -----------------------------------------------------------------------------------
@@ -177,7 +196,7 @@ def _set(param: nn.Parameter, value: torch.Tensor) -> None:
         param.copy_(value)
 
 
-def center_writer(model: nn.Module, path: str) -> int:
+def center_writer_at(model: nn.Module, path: str) -> int:
     """Make the output of the writer at `path` zero-mean over the stream axis. Returns #tensors edited."""
     obj = get(model, path)
     if isinstance(obj, nn.Parameter):
@@ -195,6 +214,15 @@ def center_writer(model: nn.Module, path: str) -> int:
     if bias is not None:
         _set(bias, new_b)
     return 1 + (bias is not None)
+
+
+def center_writer(model: nn.Module, path: str) -> int:
+    """Deprecated name of `center_writer_at` (`normfold.algebra.center_writer` works on tensors)."""
+    import warnings
+
+    warnings.warn("normfold.convert.center_writer(model, path) is deprecated; use center_writer_at",
+                  DeprecationWarning, stacklevel=2)
+    return center_writer_at(model, path)
 
 
 def fold_scales(model: nn.Module, pairs: list[tuple[str, str]]) -> int:
@@ -294,7 +322,7 @@ def swap_norm(model: nn.Module, site: NormSite, fold: bool, options: ConvertOpti
 
 # ---- the rmsnorm variant ---------------------------------------------------------------------------
 
-def _edited_params(model: nn.Module, plan: ConversionPlan, options: ConvertOptions) -> list[nn.Parameter]:
+def edited_params(model: nn.Module, plan: ConversionPlan, options: ConvertOptions) -> list[nn.Parameter]:
     params: list[nn.Parameter] = []
     for stream in plan.streams:
         for w, scale in stream.scale_folds:
@@ -302,13 +330,13 @@ def _edited_params(model: nn.Module, plan: ConversionPlan, options: ConvertOptio
         for w in stream.writers:
             params += _params_of(model, w)
         for site in stream.norms:
-            if _will_fold(site, options):
+            if will_fold(site, options):
                 for r in site.readers:
                     params += _params_of(model, r)
     return params
 
 
-def _will_fold(site: NormSite, options: ConvertOptions) -> bool:
+def will_fold(site: NormSite, options: ConvertOptions) -> bool:
     return not options.keep_affine and bool(site.readers) and (not site.final or options.fold_final)
 
 
@@ -316,15 +344,15 @@ def apply_rmsnorm(model: nn.Module, plan: ConversionPlan, options: ConvertOption
                   report: ConversionReport) -> None:
     """Pre-LN -> Pre-RMSNorm on `model` in place (paper 001 §3.1), recording what was done."""
     structure = report.structure
-    structure.untied = untie(model, _edited_params(model, plan, options))
+    structure.untied = untie(model, edited_params(model, plan, options))
     edited = 0
     for stream in plan.streams:
         edited += fold_scales(model, stream.scale_folds)  # before centring: centre W·diag(λ), not W
         for path in stream.writers:
-            edited += center_writer(model, path)
+            edited += center_writer_at(model, path)
             report.centered.append(path)
         for site in stream.norms:
-            record, n, grown = swap_norm(model, site, _will_fold(site, options), options)
+            record, n, grown = swap_norm(model, site, will_fold(site, options), options)
             structure.norms.append(record)
             structure.added_bias += grown
             edited += n
@@ -364,7 +392,7 @@ def _dropout_warning(model: nn.Module) -> str | None:
             "residual branch breaks the zero-mean stream, so its training forward is not equivalent.")
 
 
-def _kept_norms(model: nn.Module, plan: ConversionPlan, converted: set[str]) -> list[dict]:
+def kept_norms(model: nn.Module, plan: ConversionPlan, converted: set[str]) -> list[dict]:
     reasons = {k.path: k.reason for k in plan.kept}
     kept = []
     for name in layernorm_names(model):
@@ -383,11 +411,12 @@ def not_verified(variant: Variant, dtype: str) -> dict:
                       "was run"}
 
 
-def convert(model: nn.Module, to: str = "rmsnorm", *, keep_affine: bool = False, fold_final: bool = False,
-            allow_new_bias: bool = False, adapter: Adapter | None = None, inplace: bool = False,
-            verify: bool = True, inputs: dict | None = None, fp64_tol: float = 1e-9,
-            progress: Progress | None = None, variant_options: dict | None = None,
-            auto: bool = False, fast: bool = True) -> tuple[nn.Module, ConversionReport]:
+def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions | None = None,
+            keep_affine: bool | None = None, fold_final: bool | None = None, allow_new_bias: bool | None = None,
+            pad: bool | None = None, variant_options: dict | None = None, adapter: Adapter | None = None,
+            inplace: bool = False, verify: bool = True, inputs: dict | None = None, fp64_tol: float = 1e-9,
+            progress: Progress | None = None, auto: bool = False, rotate: str | None = None, rotate_seed: int = 0,
+            rotate_online: bool = False, fast: bool = True) -> tuple[nn.Module, ConversionReport]:
     """Convert `model` and return (converted model in eval mode, report).
 
     The original is not modified unless `inplace=True`. With `verify=True` (default) both models
@@ -398,36 +427,63 @@ def convert(model: nn.Module, to: str = "rmsnorm", *, keep_affine: bool = False,
 
     Without `adapter`, the registered adapter of the model's family is used; a model without one (or any
     model with `auto=True`) gets the plan `normfold.analyze` derives, traced on `inputs` (default: made
-    from the config's modality, see `normfold.autoplan`).
+    from the config's modality, see `normfold.analysis.autoplan`).
+
+    How to convert is `options` (a `normfold.ConvertOptions`) or its fields as keywords (`to`,
+    `keep_affine`, `fold_final`, `allow_new_bias`, `pad`, `variant_options`); a keyword overrides the
+    object's field. Defaults: to="rmsnorm", γ/β folded into readers, final norms kept.
+    `rotate` ("hadamard" or "orthogonal", seeded by `rotate_seed`): after the Pre-RMSNorm conversion with
+    every γ folded (final norms into their heads), rotate each residual stream by an orthogonal Q that
+    fixes the all-ones direction (`normfold.rotate`); refused with the reason where it cannot be exact.
+    `rotate_online`: also an online Hadamard before every MLP down-projection (exact; the checkpoint then
+    needs `normfold.load`).
 
     `fast` (default True) applies `normfold.fastpath` to the result, as `normfold.load` does: the
     residual add fused with the next norm in supported blocks, padded Pre-CRMS writers. They change
     how the model computes (rounding only), not its parameters; fast=False leaves them out.
     """
+    options = resolve_options(options, "normfold.convert", to=to, keep_affine=keep_affine, fold_final=fold_final,
+                              allow_new_bias=allow_new_bias, pad=pad, variant_options=variant_options)
+    options = options.replace(keep_affine=bool(options.keep_affine))
+    to, fold_final = options.to, options.fold_final
+    variant_options = options.target_options()
     say = progress or (lambda msg: None)
     if to not in VARIANTS:
         raise UnsupportedConversionError(f"unknown conversion target {to!r}; available: {', '.join(VARIANTS)}")
     variant = VARIANTS[to]
+    if rotate_online and rotate is None:
+        raise UnsupportedConversionError("--rotate-online needs --rotate hadamard|orthogonal")
+    if rotate is not None:
+        variant = _rotating_variant(variant, rotate, rotate_seed, options.keep_affine, rotate_online)
+        fold_final = True  # the final norms' γ must leave the stream before it is rotated
+        options = options.replace(fold_final=True)
     if variant_options and not variant.takes_options:
         raise UnsupportedConversionError(
             f"--to {to} takes no options (got {', '.join(sorted(variant_options))}); "
             f"options exist for: {', '.join(n for n, v in VARIANTS.items() if v.takes_options) or 'none'}")
-    from .compress.sizes import measure, size_report
+    from .sizes import measure, size_report
 
     handler = CONVERTED_HANDLER.get("handler")
     if handler is not None and (to == "layernorm" or handler.source_variant(model) != "layernorm"):
         # reverse conversions, paper 001 App. C
+        if rotate is not None:
+            raise UnsupportedConversionError("--rotate converts LayerNorm models; this model already carries "
+                                             "normfold norms (convert the original model with --rotate)")
+        rotation = getattr(getattr(getattr(model, "normfold_report", None), "structure", None), "rotation", None)
+        if rotation and (rotation.get("explicit") or rotation.get("online")):
+            raise UnsupportedConversionError(
+                "this checkpoint's stream is rotated with explicit / online rotation ops (normfold.json "
+                "structure.rotation), which the reverse conversions do not carry over; convert the original "
+                "LayerNorm model instead")
         out = handler.convert(model, to, inplace=inplace, verify=verify, inputs=inputs, fp64_tol=fp64_tol,
                               progress=progress, variant_options=variant_options)
         from . import fastpath
 
         fastpath.refresh(out[0], fast)  # the norms and shapes changed: fast paths where they still fit
         return out
-    options = ConvertOptions(keep_affine=keep_affine, fold_final=fold_final, allow_new_bias=allow_new_bias,
-                             variant_options=dict(variant_options or {}))
     t0 = time.perf_counter()
     if adapter is None:
-        from .autoplan import resolve  # the analysis' plan when no adapter is registered (or auto=True)
+        from .analysis.autoplan import resolve  # the analysis' plan when no adapter is registered (or auto=True)
 
         adapter, analysis = resolve(model, auto=auto, inputs=inputs, progress=say)
         if analysis is not None and inputs is not None:
@@ -458,7 +514,7 @@ def convert(model: nn.Module, to: str = "rmsnorm", *, keep_affine: bool = False,
         fastpath.apply(target)
     target.normfold_report = report  # what the reverse conversions (compress/reverse.py) read back
     report.size = size_report(before, target)
-    report.kept = _kept_norms(original, plan, {r.name for r in report.structure.norms})
+    report.kept = kept_norms(original, plan, {r.name for r in report.structure.norms})
     report.seconds["convert"] = round(time.perf_counter() - t0, 3)
     if not variant.exact:
         report.verification = not_verified(variant, report.dtype)
@@ -475,8 +531,12 @@ def convert(model: nn.Module, to: str = "rmsnorm", *, keep_affine: bool = False,
             return m.eval()
 
         skip = ("last_hidden_state", "hidden_states[-1]") if fold_final else ()
+        if rotate is not None:  # every final norm's output: its γ/β went into the heads (or, head-less, stayed)
+            skip = ("*last_hidden_state", "*hidden_states[-1]")
+        output_map = (ROTATOR["rotator"].output_map(report.structure.rotation, centered_outputs(plan))
+                      if rotate is not None else None)
         report.verification = verify_conversion(
             original, target, inputs, reconvert=reconvert if variant.exact else None, fp64_tol=fp64_tol,
-            skip=skip, centered=centered_outputs(plan)).to_dict()
+            skip=skip, centered=centered_outputs(plan), output_map=output_map).to_dict()
         report.seconds["verify"] = round(time.perf_counter() - t1, 3)
     return target, report

@@ -53,3 +53,12 @@ class VerificationFailedError(NormfoldError):
 
 class NormInputError(NormfoldError, ValueError):
     """A norm op got tensors that do not fit together (a weight or bias of the wrong width)."""
+
+
+class UnsafePathError(CheckpointError):
+    """A file of a model directory resolves (through a symlink or a shard index) to a place outside it."""
+
+
+class ReportSchemaError(CheckpointError):
+    """A `normfold.json` does not match the report schema, or disagrees with config.json and the weights."""
+

@@ -155,9 +155,9 @@ def is_padded(module: nn.Module) -> bool:
 def stream_writers(model: nn.Module) -> list[nn.Module]:
     """The linear layers writing a compressed (d−1) residual stream: those whose output width is the
     compressed width of a StreamCRMSNorm in the model (none in an uncompressed or padded model)."""
-    from .compress.runtime import StreamCRMSNorm
-
-    widths = {m.width - 1 for m in model.modules() if isinstance(m, StreamCRMSNorm) and not m.pad}
+    # the compressed stream's norms (StreamCRMSNorm) are CRMSNorms that know the uncompressed width d
+    widths = {m.width - 1 for m in model.modules()
+              if isinstance(m, CRMSNorm) and isinstance(getattr(m, "width", None), int) and not getattr(m, "pad", True)}
     out = []
     for m in model.modules():
         axis = _out_dim(m)
@@ -182,12 +182,20 @@ _NORMS = (RMSNorm, CRMSNorm)  # normfold's norms: forward(x, residual) returns (
 
 
 def _fusable(norm: nn.Module) -> bool:
-    """A normfold stream norm whose forward takes the fused `residual` argument."""
-    from .compress.runtime import StreamCRMSNorm
-
-    if isinstance(norm, StreamCRMSNorm):
-        return not norm.pad and not norm.decompress
+    """A normfold stream norm whose forward takes the fused `residual` argument and runs it fused: RMSNorm,
+    CRMSNorm, and the compressed stream's CRMSNorm (normfold.compress.runtime.StreamCRMSNorm, recognized
+    by its `width` / `pad` / `decompress` attributes: this module sits below compress) when it neither pads
+    nor decompresses."""
+    if not isinstance(norm, _NORMS):
+        return False
+    if hasattr(norm, "width"):
+        return not getattr(norm, "pad", True) and not getattr(norm, "decompress", True)
     return type(norm) in (RMSNorm, CRMSNorm)
+
+
+def is_fused(block: nn.Module) -> bool:
+    """Whether fuse_block has been applied to `block`."""
+    return bool(getattr(type(block), _FUSED_MARK, False))
 
 
 def _gpt2_block_forward(base):

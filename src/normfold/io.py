@@ -22,20 +22,24 @@ import contextlib
 import copy
 import errno
 import json
+import math
 import os
 import re
 import shutil
 import tempfile
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 
 from . import checkpoint_guard as guard
+from .checkpoint import ModelDir, file_digest
+from .checkpoint.writer import can_write, save_safetensors
 from .adapters.base import get, parent_and_leaf
 from .errors import (CheckpointError, ModelNotFoundError, NormfoldError, NotAModelError, OutputExistsError,
-                     OutputWriteError)
+                     OutputWriteError, ReportSchemaError)
 from .nn import norm_type
 from .nn.hooks import add_input_recenter, add_output_recenter
 from .report import ConversionReport, Structure
@@ -43,15 +47,12 @@ from .report import ConversionReport, Structure
 STOCK_WEIGHTS = "model.safetensors"
 STOCK_INDEX = "model.safetensors.index.json"
 NORMFOLD_WEIGHTS = "normfold_model.safetensors"
+NORMFOLD_INDEX = "normfold_model.safetensors.index.json"
 REPORT_FILE = "normfold.json"
-# Files copied verbatim from the source model directory (tokenizer, processor, generation config).
-_AUXILIARY = re.compile(r"(tokenizer.*|vocab.*|merges\.txt|special_tokens_map\.json|added_tokens\.json|"
-                        r"generation_config\.json|preprocessor_config\.json|processor_config\.json|"
-                        r".*\.model|chat_template.*)$")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
-def _transformers():
+def transformers_module():
     try:
         import transformers
     except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -70,7 +71,7 @@ def _looks_like_hub_id(source: str) -> bool:
 
 def model_class(config):
     """The transformers class named in config.architectures (AutoModel's choice when absent)."""
-    transformers = _transformers()
+    transformers = transformers_module()
     for name in getattr(config, "architectures", None) or []:
         cls = getattr(transformers, name, None)
         if cls is not None:
@@ -90,7 +91,7 @@ def load_source(source: str | os.PathLike | None, dtype: str | torch.dtype | Non
     disagree with the config are refused before transformers reads them.
 
     Returns (model in eval mode, source description)."""
-    transformers = _transformers()
+    transformers = transformers_module()
     bundled = source is None
     path = default_model_path() if bundled else Path(source)
     torch_dtype = _parse_dtype(dtype)
@@ -290,6 +291,8 @@ def save(model: nn.Module, report: ConversionReport, out: str | os.PathLike, *, 
     from safetensors.torch import save_file
 
     out = check_output_dir(out, force).absolute()
+    # the files copied from the source, checked before any output exists (nothing from outside it)
+    auxiliary = ModelDir(source_dir).auxiliary_files() if source_dir is not None else []
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     backup = None
@@ -297,7 +300,16 @@ def save(model: nn.Module, report: ConversionReport, out: str | os.PathLike, *, 
         weights = STOCK_WEIGHTS if report.stock_reloadable else NORMFOLD_WEIGHTS
         # one metadata key: safetensors writes __metadata__ from a Rust HashMap, so with two keys their
         # order (and the file's bytes) changed from run to run (issue 11 item 5: repeatable conversions)
-        save_file(export_state_dict(model, report), str(tmp / weights), metadata={"format": "pt"})
+        state = export_state_dict(model, report)
+        # tamper evidence: `normfold verify CONVERTED` checks the digest, computed as the file is written
+        # (same bytes as safetensors' save_file: checkpoint.writer lays the header out as it does)
+        if can_write(state):
+            digest = save_safetensors(state, tmp / weights, metadata={"format": "pt"})
+        else:  # a dtype the writer does not know: safetensors writes it, the file is read back once
+            save_file(state, str(tmp / weights), metadata={"format": "pt"})
+            digest = {"sha256": file_digest(tmp / weights), "bytes": (tmp / weights).stat().st_size}
+        del state
+        report.weight_files = {weights: digest}
         config = getattr(model, "config", None)
         if config is not None:
             config = copy.deepcopy(config)
@@ -309,12 +321,10 @@ def save(model: nn.Module, report: ConversionReport, out: str | os.PathLike, *, 
                 gen.save_pretrained(tmp)
             except Exception:  # generation config is optional; a bad one must not fail the save
                 pass
-        if source_dir is not None:
-            for f in Path(source_dir).iterdir():
-                if f.is_file() and _AUXILIARY.fullmatch(f.name):
-                    shutil.copy2(f, tmp / f.name)
+        for f in auxiliary:
+            shutil.copy2(f, tmp / f.name)
         (tmp / REPORT_FILE).write_text(report.to_json() + "\n")
-        _apply_umask(tmp)
+        apply_umask(tmp)
         if out.exists():
             backup = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
             os.rename(out, backup)
@@ -331,7 +341,7 @@ def save(model: nn.Module, report: ConversionReport, out: str | os.PathLike, *, 
     return out
 
 
-def _apply_umask(directory: Path) -> None:
+def apply_umask(directory: Path) -> None:
     """mkdtemp and safetensors create owner-only files; give the result the usual permissions."""
     mask = os.umask(0)
     os.umask(mask)
@@ -344,39 +354,221 @@ def _apply_umask(directory: Path) -> None:
 # ---- loading back --------------------------------------------------------------------------------------
 
 def read_report(path: str | os.PathLike) -> ConversionReport:
-    f = Path(path) / REPORT_FILE
-    if not f.is_file():
+    """The `normfold.json` of a checkpoint directory, read through the path policy and validated against
+    the report schema (`ReportSchemaError`, exit code 2, on anything it does not describe)."""
+    directory = ModelDir(path)
+    if not directory.exists(REPORT_FILE):
         raise CheckpointError(f"{path} is not a normfold checkpoint (no {REPORT_FILE}); "
                               "load plain models with transformers or convert them with `normfold convert`")
+    f = directory.file(REPORT_FILE)
+    if f.stat().st_size > MAX_REPORT_BYTES:
+        raise ReportSchemaError(f"{f} is {f.stat().st_size} bytes; a normfold report is far smaller "
+                                f"(limit {MAX_REPORT_BYTES}): not a report normfold wrote")
     try:
-        return ConversionReport.from_dict(json.loads(f.read_text()))
-    except (ValueError, KeyError) as exc:
-        raise CheckpointError(f"{f} is not a valid normfold report: {exc}") from exc
+        data = json.loads(f.read_text())
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise ReportSchemaError(f"{f} is not a valid normfold report (not JSON: {_first_line(exc)}); "
+                                "re-download the checkpoint or reconvert the model") from None
+    try:
+        return ConversionReport.from_dict(data)
+    except ReportSchemaError as exc:
+        raise _located(exc, f) from None
+
+
+def _located(exc: ReportSchemaError, report_path: Path) -> ReportSchemaError:
+    """The schema's message with the report's path instead of its bare name, and what to do."""
+    text = str(exc).removeprefix(f"{REPORT_FILE}: ").removeprefix(REPORT_FILE)
+    text = f"{report_path}{'' if text.startswith(' ') else ': '}{text}"
+    if "upgrade normfold" not in text and "reconvert" not in text:
+        text += "; re-download the checkpoint or reconvert the model"
+    return ReportSchemaError(text)
+
+
+MAX_REPORT_BYTES = 64 * 1024 * 1024  # a 48-block model's report is ~80 KB
+
+
+def _norm_width(module: nn.Module) -> int | None:
+    """The normalized width of a norm module (LayerNorm-like: `normalized_shape`, else a 1-D weight)."""
+    shape = getattr(module, "normalized_shape", None)
+    if isinstance(shape, int):
+        return shape
+    if isinstance(shape, (tuple, list)) and shape and all(isinstance(d, int) for d in shape):
+        return shape[-1]
+    w = module._parameters.get("weight") if isinstance(module, nn.Module) else None
+    return int(w.shape[-1]) if w is not None and w.dim() == 1 else None
+
+
+def validate_structure(model: nn.Module, structure: Structure) -> None:
+    """Check a report's structure against the model that config.json builds (on any device, meta included),
+    before anything is changed: every path names a module / parameter of the model (through
+    `named_modules()` / `named_parameters()`), each recorded norm is a norm of the recorded width, recorded
+    shapes and dims fit the parameters. `ReportSchemaError` otherwise."""
+    from .adapters.base import submodule
+
+    modules = dict(model.named_modules(remove_duplicate=False))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    arch = type(model).__name__
+
+    def module(path: str, where: str) -> nn.Module:
+        if path not in modules or not path:
+            raise ReportSchemaError(f"normfold.json: {where} names {path[:120]!r}, which is not a module of the "
+                                    f"{arch} that config.json builds; the report does not belong to this model")
+        return submodule(model, path)
+
+    def param(path: str, where: str) -> torch.Tensor:
+        if path not in params:
+            raise ReportSchemaError(f"normfold.json: {where} names {path[:120]!r}, which is not a parameter of the "
+                                    f"{arch} that config.json builds; the report does not belong to this model")
+        return params[path]
+
+    seen = set()
+    for i, rec in enumerate(structure.norms):
+        where = f"structure.norms[{i}]"
+        m = module(rec.name, f"{where}.name")
+        if rec.name in seen:
+            raise ReportSchemaError(f"normfold.json: {where} records {rec.name!r} a second time")
+        seen.add(rec.name)
+        width = _norm_width(m)
+        if width is None:
+            raise ReportSchemaError(f"normfold.json: {where} records {rec.name!r} as a norm, but in {arch} it is a "
+                                    f"{type(m).__name__}, not a norm")
+        if not (math.isfinite(rec.eps) and 0 <= rec.eps < 1):
+            raise ReportSchemaError(f"normfold.json: {where}.eps is {rec.eps}; a norm's eps lies in [0, 1)")
+        if "width" in rec.options and rec.options["width"] != width:
+            raise ReportSchemaError(f"normfold.json: {where}.options.width is {rec.options['width']}, but "
+                                    f"{rec.name} of the {arch} that config.json builds is {width} wide")
+        for j, path in enumerate(rec.folded_into):
+            module(path, f"{where}.folded_into[{j}]")
+    for key in ("recenter_after", "recenter_before", "added_bias"):
+        for j, path in enumerate(getattr(structure, key)):
+            m = module(path, f"structure.{key}[{j}]")
+            if key == "added_bias":
+                w = m._parameters.get("weight")
+                if w is None or w.dim() != 2:
+                    raise ReportSchemaError(f"normfold.json: structure.added_bias[{j}] names {path!r}, a "
+                                            f"{type(m).__name__} without a matrix weight to add a bias beside")
+    state_keys = set(model.state_dict(keep_vars=True))
+    for j, name in enumerate(structure.untied):
+        if name not in params and name not in state_keys:
+            param(name, f"structure.untied[{j}]")
+    comp = structure.compression or {}
+    for name, shape in comp.get("shapes", {}).items():
+        p = param(name, "structure.compression.shapes")
+        if len(shape) != p.dim() or any(d not in (o, o - 1) or d < 0 for d, o in zip(shape, p.shape)):
+            raise ReportSchemaError(f"normfold.json: structure.compression.shapes gives {name} shape {shape[:8]}, "
+                                    f"which does not fit its shape {list(p.shape)} from config.json (each "
+                                    "dimension stays or loses one coordinate)")
+    for key in ("compress_after", "compress_before", "widen_after", "narrow_before"):
+        for j, path in enumerate(comp.get(key, [])):
+            module(path, f"structure.compression.{key}[{j}]")
+    for key in ("writer_params", "reader_params"):
+        for name, dim in comp.get(key, {}).items():
+            p = param(name, f"structure.compression.{key}")
+            if not -p.dim() <= dim < p.dim():
+                raise ReportSchemaError(f"normfold.json: structure.compression.{key} gives {name} the axis {dim}; "
+                                        f"it has {p.dim()}")
+    for j, tie in enumerate(comp.get("tied_heads", [])):
+        module(tie["head"], f"structure.compression.tied_heads[{j}].head")
+        table = module(tie["table"], f"structure.compression.tied_heads[{j}].table")
+        w = table._parameters.get("weight")
+        if w is None or w.dim() != 2:
+            raise ReportSchemaError(f"normfold.json: structure.compression.tied_heads[{j}].table names "
+                                    f"{tie['table']!r}, which has no table (a matrix weight)")
+
+
+# Parts of a recorded `Structure` that a higher layer knows how to rebuild (a target's own modules and
+# hooks): field name -> apply(model, part). `normfold.compress` registers "compression"; io imports none
+# of them, so the layers stay one-way.
+STRUCTURE_PARTS: dict[str, Callable[[nn.Module, object], None]] = {}
+
+
+def register_structure_part(field_name: str, apply: Callable[[nn.Module, object], None]) -> None:
+    """Make `apply_structure` (and so `normfold.load`) call `apply(model, structure.<field_name>)` when that
+    part of the recorded structure is non-empty."""
+    STRUCTURE_PARTS[field_name] = apply
 
 
 def apply_structure(model: nn.Module, structure: Structure) -> nn.Module:
     """Rebuild normfold's modules on a stock model: swap the recorded norms (taking their values from
-    the loaded LayerNorms), re-attach Recenter ops and create added biases."""
-    for rec in structure.norms:
-        ln = get(model, rec.name)
-        cls = norm_type(rec.type)
-        new = cls.from_layernorm(ln, keep_weight=rec.weight, keep_bias=rec.bias, **rec.options)
-        parent, leaf = parent_and_leaf(model, rec.name)
-        setattr(parent, leaf, new)
-    for path in structure.recenter_after:
-        add_output_recenter(get(model, path))
-    for path in structure.recenter_before:
-        add_input_recenter(get(model, path))
-    for path in structure.added_bias:
-        module = get(model, path)
-        if getattr(module, "bias", None) is None:
-            out_features = module.weight.shape[0]
-            module.bias = nn.Parameter(torch.zeros(out_features, dtype=module.weight.dtype))
-    if structure.compression:  # Pre-CRMSNorm: resized writers/readers and compress hooks
-        from .compress.runtime import apply_compression
+    the loaded LayerNorms), re-attach Recenter ops and create added biases.
 
-        apply_compression(model, structure.compression)
+    The structure is validated first (`validate_structure`: paths through the module tree only, widths);
+    nothing is changed when it does not fit the model."""
+    from .adapters.base import submodule
+
+    validate_structure(model, structure)
+    try:
+        for rec in structure.norms:
+            ln = submodule(model, rec.name)
+            cls = norm_type(rec.type)
+            new = cls.from_layernorm(ln, keep_weight=rec.weight, keep_bias=rec.bias, **rec.options)
+            head, _, leaf = rec.name.rpartition(".")
+            setattr(submodule(model, head), leaf, new)
+        for path in structure.recenter_after:
+            add_output_recenter(submodule(model, path))
+        for path in structure.recenter_before:
+            add_input_recenter(submodule(model, path))
+        for path in structure.added_bias:
+            module = submodule(model, path)
+            if getattr(module, "bias", None) is None:
+                out_features = module.weight.shape[0]
+                module.bias = nn.Parameter(torch.zeros(out_features, dtype=module.weight.dtype,
+                                                       device=module.weight.device))
+        if structure.rotation:
+            _apply_rotation_hooks(model, structure.rotation)
+        for path in structure.rotation.get("online", []) if structure.rotation else []:  # online Hadamard inputs
+            from .algebra import layout_of
+            from .nn.online import add_input_hadamard
+
+            module = dict(model.named_modules()).get(str(path))
+            if module is None:
+                raise CheckpointError(f"normfold.json: online rotation at {path!r}, which is not a module of this model")
+            lay = layout_of(module)
+            if lay is None or lay.in_dim is None:
+                raise CheckpointError(f"normfold.json: online rotation at {path}, which is not a linear module")
+            try:
+                add_input_hadamard(module, int(getattr(module, lay.weight).shape[lay.in_dim]))
+            except ValueError as exc:
+                raise CheckpointError(f"normfold.json: online rotation at {path}: {exc}") from None
+        for field_name, apply_part in STRUCTURE_PARTS.items():  # e.g. Pre-CRMSNorm's resized writers/readers
+            part = getattr(structure, field_name, None)
+            if part:
+                apply_part(model, part)
+    except (ValueError, TypeError, KeyError, LookupError) as exc:  # e.g. an option value the module refuses
+        raise ReportSchemaError(f"normfold.json: its structure cannot be rebuilt on {type(model).__name__}: "
+                                f"{_first_line(exc)}") from None
     return model
+
+
+def _apply_rotation_hooks(model: nn.Module, rotation: dict) -> None:
+    """The explicit stream rotations of a rotated checkpoint (normfold.rotate), Q rebuilt from kind + seed."""
+    from .algebra import rotation_matrix
+    from .nn.online import add_input_rotation, add_output_rotation
+
+    modules = dict(model.named_modules())
+    widths = {int(getattr(m, "normalized_shape", (0,))[-1]) for m in modules.values() if hasattr(m, "normalized_shape")}
+    explicit = rotation.get("explicit", [])
+    if not isinstance(explicit, list):
+        raise CheckpointError("normfold.json: structure.rotation.explicit must be a list")
+    for e in explicit:
+        try:
+            if not isinstance(e, dict) or set(e) - {"path", "where", "width", "transpose"}:
+                raise ValueError("unknown or missing fields")
+            width = int(e["width"])
+            if width not in widths:  # also bounds the d×d matrix built below
+                raise ValueError(f"width {width} is not the width of any norm of this model")
+            module = modules[str(e["path"])]
+            q, _ = rotation_matrix(str(rotation["kind"]), width, int(rotation.get("seed", 0)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"normfold.json: bad explicit rotation entry {e!r}: {exc}") from None
+        ref = next(iter(model.parameters()), None)
+        q = (q.T if e.get("transpose") else q).contiguous().to(ref.dtype if ref is not None else torch.float32)
+        if e.get("where") == "output":
+            add_output_rotation(module, q)
+        elif e.get("where") == "input":
+            add_input_rotation(module, q)
+        else:
+            raise CheckpointError(f"normfold.json: explicit rotation at {e.get('path')}: unknown place {e.get('where')!r}")
 
 
 @contextlib.contextmanager
@@ -395,27 +587,117 @@ def _stored_dtype(state: dict) -> torch.dtype | None:
     return torch.float64 if any(t.dtype == torch.float64 for t in state.values()) else None
 
 
-def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, *, fast: bool = True) -> nn.Module:
-    """Load a checkpoint written by `normfold convert` / `normfold.save` with normfold's fast norms.
+def _read_config(path: Path):
+    transformers = transformers_module()
+    try:
+        return transformers.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path}: config.json could not be read ({_first_line(exc)}); re-download the "
+                              "checkpoint") from None
 
-    The returned model (eval mode) has the report at `model.normfold_report`. `fast=False` skips
-    the runtime fast paths of `normfold.fastpath` (exact rewrites of how the model computes, e.g.
-    padded writers on a Pre-CRMS stream); the checkpoint's tensors are the same either way."""
-    transformers = _transformers()
+
+def check_report_fits(path: Path, report: ConversionReport, cls, config, tensors: dict[str, tuple[str, tuple]],
+                      stock: bool) -> None:
+    """Before any memory is allocated: the report's structure, replayed on the model config.json builds on
+    the meta device, must name that model's modules, and its dtype and shapes must be those of the weights
+    (`tensors`: {name: (safetensors dtype, shape)} from the headers). ReportSchemaError otherwise."""
+    meta = _on_meta(cls, config)
+    if meta is None:
+        raise CheckpointError(f"{path}: the model config.json describes cannot be built ({cls.__name__})")
+    if report.architecture and report.architecture != cls.__name__:
+        raise ReportSchemaError(f"{REPORT_FILE}: it describes a {report.architecture[:80]}, but config.json builds "
+                                f"a {cls.__name__}; the report does not belong to these weights")
+    if report.dtype not in ("",) + tuple(DTYPES):
+        raise ReportSchemaError(f"{REPORT_FILE}: dtype {report.dtype[:40]!r} is not one of {', '.join(DTYPES)}")
+    floats = {d for d, _ in tensors.values() if d in _ST_FLOATS}
+    if report.dtype and floats and _ST_FLOATS_BY_NAME[report.dtype] not in floats:
+        raise ReportSchemaError(f"{REPORT_FILE}: it says the weights are {report.dtype}, but they are stored as "
+                                f"{', '.join(sorted(floats))}; the report does not belong to these weights")
+    if stock:  # the stock layout: the norms' affines are stored as in the stock model
+        guard.check_shapes(guard.CheckpointInfo(path, "safetensors", [], {
+            k: guard.TensorEntry(k, d, tuple(sh), "") for k, (d, sh) in tensors.items()}), meta)
+        validate_structure(meta, report.structure)
+        return
+    with torch.device("meta"):
+        apply_structure(meta, report.structure)
+    expected = {k: tuple(v.shape) for k, v in meta.state_dict().items()}
+    tied = set(getattr(meta, "all_tied_weights_keys", {}) or {})
+    bad = [f"{k}: file {list(sh)}, model {list(expected[k])}" for k, (_, sh) in tensors.items()
+           if k in expected and tuple(sh) != expected[k]]
+    unexpected = [k for k in tensors if k not in expected]
+    missing = [k for k in expected if k not in tensors and k not in tied]
+    if bad or unexpected or missing:
+        parts = ([f"shapes differ ({'; '.join(bad[:3])})"] if bad else []) + \
+                ([f"unexpected tensors {unexpected[:3]}"] if unexpected else []) + \
+                ([f"missing tensors {missing[:3]}"] if missing else [])
+        raise ReportSchemaError(f"{REPORT_FILE}: the weights in {path} do not match config.json with the structure "
+                                f"it records: {', '.join(parts)}; the report, config and weights do not belong together")
+
+
+_ST_FLOATS_BY_NAME = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
+_ST_FLOATS = set(_ST_FLOATS_BY_NAME.values())
+
+
+def inspect_converted(path: str | os.PathLike):
+    """Everything `load` checks before it builds anything: (report, config, model class, stock layout?).
+    Also used by block-wise verification, which builds the model without weights."""
     path = Path(path)
     if not path.is_dir():
         raise ModelNotFoundError(f"{path}: no such directory")
+    directory = ModelDir(path)
+    directory.check_all()
     report = read_report(path)
-    torch_dtype = _parse_dtype(dtype)
-    config = transformers.AutoConfig.from_pretrained(path)
+    directory.file("config.json")
+    config = _read_config(path)
     cls = model_class(config)
-    if (path / STOCK_WEIGHTS).is_file() or (path / STOCK_INDEX).is_file():  # sharded: normfold.stream
+    stock = directory.exists(STOCK_WEIGHTS) or directory.exists(STOCK_INDEX)
+    if stock:  # sharded: normfold.stream
+        info = guard.inspect_checkpoint(path)
+        tensors = {k: (e.dtype, e.shape) for k, e in info.tensors.items()}
+    elif directory.exists(NORMFOLD_WEIGHTS) or directory.exists(NORMFOLD_INDEX):
+        tensors = {e.name: (e.dtype, e.shape) for f in normfold_weight_files(directory)
+                   for e in guard.read_safetensors_header(f)}
+    else:
+        raise CheckpointError(f"{path} has neither {STOCK_WEIGHTS} nor {NORMFOLD_WEIGHTS}")
+    try:
+        check_report_fits(path, report, cls, config, tensors, stock)
+    except ReportSchemaError as exc:
+        raise _located(exc, path / REPORT_FILE) from None
+    return report, config, cls, stock
+
+
+def normfold_weight_files(directory: ModelDir) -> list[Path]:
+    """The weight files of a checkpoint in normfold's own layout (one file, or shards with an index)."""
+    from .checkpoint import weight_files
+
+    found = weight_files(directory, NORMFOLD_INDEX, NORMFOLD_WEIGHTS)
+    if found is None:
+        raise CheckpointError(f"{directory.path} has neither {STOCK_WEIGHTS} nor {NORMFOLD_WEIGHTS}")
+    return found[0]
+
+
+def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, *, fast: bool = True) -> nn.Module:
+    """Load a checkpoint written by `normfold convert` / `normfold.save` with normfold's fast norms.
+
+    Before anything is built: every file is checked by the path policy (`normfold.checkpoint.ModelDir`),
+    `normfold.json` against its schema, and its structure against config.json and the weights' headers
+    (`check_report_fits`); any failure is a NormfoldError. The returned model (eval mode) has the report
+    at `model.normfold_report`. `fast=False` skips the runtime fast paths of `normfold.fastpath` (exact
+    rewrites of how the model computes: fused add + norm blocks, padded Pre-CRMS writers); the
+    checkpoint's tensors are the same either way."""
+    path = Path(path)
+    torch_dtype = _parse_dtype(dtype)
+    report, config, cls, stock = inspect_converted(path)
+    directory = ModelDir(path)
+    if stock:
         model = cls.from_pretrained(path, dtype=torch_dtype or "auto")
         apply_structure(model, report.structure)
-    elif (path / NORMFOLD_WEIGHTS).is_file():
+    else:
         from safetensors.torch import load_file
 
-        state = load_file(str(path / NORMFOLD_WEIGHTS))
+        state = {}
+        for f in normfold_weight_files(directory):
+            state.update(load_file(str(f)))
         # build in the stored dtype: load_state_dict copies into the existing parameters, so a float32
         # skeleton would round float64 weights before any later .to(float64)
         with _default_dtype(_stored_dtype(state)):
@@ -431,8 +713,6 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, *, fas
             model = model.to(torch_dtype)
         elif report.dtype in DTYPES:
             model = model.to(DTYPES[report.dtype])
-    else:
-        raise CheckpointError(f"{path} has neither {STOCK_WEIGHTS} nor {NORMFOLD_WEIGHTS}")
     model.eval()
     if fast:
         from . import fastpath

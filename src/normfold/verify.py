@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-import inspect
 from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from .forward import CENTERED_OUTPUTS, accepts, cast_inputs, flatten_outputs, run_model  # noqa: F401
 from .modelinfo import working_dtype
 
 WORKING_FACTOR = 4.0
 ULP_FLOOR = 64.0
-CENTERED_OUTPUTS = ("*hidden_states[[]*[]]",)
 
 
 @dataclass
@@ -68,59 +67,21 @@ class Verification:
         return asdict(self)
 
 
-# ---- running models ------------------------------------------------------------------------------
-
-def _accepts(model: nn.Module, name: str) -> bool:
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
-
-
-def cast_inputs(inputs: dict, dtype: torch.dtype) -> dict:
-    return {k: (v.to(dtype) if isinstance(v, Tensor) and v.is_floating_point() else v) for k, v in inputs.items()}
-
-
-@torch.no_grad()
-def run_model(model: nn.Module, inputs: dict) -> dict[str, Tensor]:
-    """Forward `model` on `inputs` (floats cast to its dtype) and flatten every tensor output."""
-    kwargs = cast_inputs(inputs, working_dtype(model))
-    if _accepts(model, "output_hidden_states"):
-        kwargs.setdefault("output_hidden_states", True)
-    if "use_cache" in getattr(inspect.signature(model.forward), "parameters", {}):
-        kwargs.setdefault("use_cache", False)
-    return flatten_outputs(model(**kwargs))
-
-
-def flatten_outputs(out, prefix: str = "") -> dict[str, Tensor]:
-    """{'logits': t, 'hidden_states[0]': t, 'vision_model_output.pooler_output': t, ...}; caches skipped."""
-    flat: dict[str, Tensor] = {}
-    if isinstance(out, Tensor):
-        if out.is_floating_point():
-            flat[prefix or "output"] = out
-        return flat
-    if isinstance(out, dict) or hasattr(out, "items"):
-        for key, value in out.items():
-            if key in ("past_key_values", "cache") or value is None:
-                continue
-            flat.update(flatten_outputs(value, f"{prefix}.{key}" if prefix else str(key)))
-        return flat
-    if isinstance(out, (tuple, list)):
-        for i, value in enumerate(out):
-            flat.update(flatten_outputs(value, f"{prefix}[{i}]" if prefix else f"output[{i}]"))
-    return flat
+# running models: normfold.forward (re-exported here)
 
 
 def _resolve_skip(names: list[str], skip) -> set[str]:
     """Skip entries may use negative indices ('hidden_states[-1]') or fnmatch patterns."""
     out = set()
     for pat in skip:
-        if pat.endswith("[-1]"):
-            stem = pat[:-4]
-            idx = [n for n in names if n.startswith(stem + "[") and n[len(stem) + 1:-1].isdigit()]
-            if idx:
-                out.add(max(idx, key=lambda n: int(n[len(stem) + 1:-1])))
+        if pat.endswith("[-1]"):  # the last entry of every tuple output whose name matches the stem pattern
+            last: dict[str, tuple[int, str]] = {}
+            for n in names:
+                stem, br, rest = n.rpartition("[")
+                if br and rest[:-1].isdigit() and rest.endswith("]") and fnmatch.fnmatchcase(stem, pat[:-4]):
+                    if stem not in last or int(rest[:-1]) > last[stem][0]:
+                        last[stem] = (int(rest[:-1]), n)
+            out.update(n for _, n in last.values())
         else:
             out.update(n for n in names if fnmatch.fnmatchcase(n, pat))
     return out
@@ -130,7 +91,7 @@ def _is_centered(name: str, centered) -> bool:
     return any(fnmatch.fnmatchcase(name, pat) for pat in centered)
 
 
-def _center(t: Tensor) -> Tensor:
+def center_last(t: Tensor) -> Tensor:
     t = t.double()
     return t - t.mean(dim=-1, keepdim=True)
 
@@ -140,7 +101,7 @@ def _full_width(t: Tensor) -> Tensor:
     return torch.cat([t, -t.sum(dim=-1, keepdim=True)], dim=-1)
 
 
-def _zero_last(t: Tensor) -> bool:
+def is_zero_last(t: Tensor) -> bool:
     return t.numel() > 0 and bool((t[..., -1] == 0).all())
 
 
@@ -154,8 +115,8 @@ def stream_view(t: Tensor, r: Tensor) -> tuple[Tensor, Tensor]:
         return _full_width(t), r
     if r.shape[-1] + 1 == t.shape[-1]:
         return t, _full_width(r)
-    if t.shape[-1] == r.shape[-1] and t.shape[-1] > 1 and _zero_last(t) != _zero_last(r):
-        if _zero_last(t):
+    if t.shape[-1] == r.shape[-1] and t.shape[-1] > 1 and is_zero_last(t) != is_zero_last(r):
+        if is_zero_last(t):
             return _full_width(t[..., :-1]), r
         return t, _full_width(r[..., :-1])
     return t, r
@@ -174,7 +135,7 @@ def diff_outputs(test: dict[str, Tensor], ref: dict[str, Tensor], skip=(), cente
             continue
         if _is_centered(name, centered):
             t, r = stream_view(t, r)
-            diffs.append(TensorDiff.of(name + " (centred)", _center(t), _center(r)))
+            diffs.append(TensorDiff.of(name + " (centred)", center_last(t), center_last(r)))
         else:
             diffs.append(TensorDiff.of(name, t, r))
     return diffs
@@ -192,12 +153,12 @@ def top1_agreement(test: dict[str, Tensor], ref: dict[str, Tensor]) -> float | N
     return agree / total
 
 
-def _worst(diffs: list[TensorDiff]) -> dict:
+def worst_of(diffs: list[TensorDiff]) -> dict:
     return {"max_abs_error": max((d.max_abs for d in diffs), default=0.0),
             "max_rel_error": max((d.max_rel for d in diffs), default=0.0)}
 
 
-def _eps(dtype: torch.dtype) -> float:
+def dtype_eps(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps
 
 
@@ -209,17 +170,23 @@ def stored_weights_tolerance(dtype: torch.dtype) -> float:
     measured 0.9 ulp; a wrong fold or a missed centring is off by far more."""
     if dtype == torch.float64:
         return 1e-9
-    eps = _eps(dtype)
+    eps = dtype_eps(dtype)
     return 1024 * eps if eps < 1e-4 else 8 * eps
 
 
 # ---- the checks ------------------------------------------------------------------------------------
 
+def _mapped(outputs: dict[str, Tensor], output_map) -> dict[str, Tensor]:
+    return outputs if output_map is None else {k: output_map(k, v) for k, v in outputs.items()}
+
+
 def verify_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *, reconvert=None,
-                      fp64_tol: float = 1e-9, skip=(), centered=CENTERED_OUTPUTS) -> Verification:
+                      fp64_tol: float = 1e-9, skip=(), centered=CENTERED_OUTPUTS,
+                      output_map=None) -> Verification:
     """Run the checks described in the module docstring. `reconvert(model_fp64) -> converted_fp64`
     re-applies the conversion in float64 (None for conversions that are not output-equivalent); it
-    receives a private float64 copy of the original and may convert it in place."""
+    receives a private float64 copy of the original and may convert it in place. `output_map(name, t)`
+    maps each converted output before comparison (a rotated stream back to the original basis)."""
 
     dtype = working_dtype(converted)
     was_training = original.training
@@ -232,14 +199,14 @@ def verify_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *
             # The float64 copy is not needed once its outputs are known: `reconvert` may convert it in
             # place, so a check holds one float64 model at a time (peak memory ~2x the model less).
             conv64, orig64 = reconvert(orig64), None
-            d64 = diff_outputs(run_model(conv64, inputs), exact, skip, centered)
+            d64 = diff_outputs(_mapped(run_model(conv64, inputs), output_map), exact, skip, centered)
             del conv64
-            worst = _worst(d64)
+            worst = worst_of(d64)
             fp64 = {**worst, "tolerance": fp64_tol, "passed": worst["max_rel_error"] <= fp64_tol,
                     "outputs": [asdict(d) for d in d64]}
         del orig64
         orig_w = run_model(original, inputs)
-        conv_w = run_model(converted, inputs)
+        conv_w = _mapped(run_model(converted, inputs), output_map)
     finally:
         original.train(was_training)
 
@@ -247,7 +214,7 @@ def verify_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *
     conv = diff_outputs(conv_w, exact, skip, centered)
     rows, working_ok = [], True
     # A float64 "working dtype" has no rounding baseline to speak of: hold it to the exactness tolerance.
-    floor = fp64_tol if dtype == torch.float64 else ULP_FLOOR * _eps(dtype)
+    floor = fp64_tol if dtype == torch.float64 else ULP_FLOOR * dtype_eps(dtype)
     for d in conv:
         b = base.get(d.name)
         b_rel = b.max_rel if b else 0.0
@@ -255,7 +222,7 @@ def verify_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *
         working_ok &= ok
         rows.append({"name": d.name, "converted_rel_error": d.max_rel, "original_rel_error": b_rel, "ok": ok})
     direct = diff_outputs(conv_w, orig_w, skip, centered)
-    worst_direct = _worst(direct)
+    worst_direct = worst_of(direct)
     passed = working_ok and (fp64 is None or fp64["passed"])
     return Verification(
         passed=passed, dtype=str(dtype).replace("torch.", ""),
@@ -263,13 +230,13 @@ def verify_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *
         top1_agreement=top1_agreement(conv_w, orig_w), fp64=fp64,
         working={"passed": working_ok, "rule": f"err(converted) <= {WORKING_FACTOR:g} * err(original) + "
                  f"{ULP_FLOOR:g} ulp, errors against the original in float64", "outputs": rows},
-        baseline={**_worst(list(base.values())), "what": "original in its dtype vs itself in float64"},
+        baseline={**worst_of(list(base.values())), "what": "original in its dtype vs itself in float64"},
         inputs=describe_inputs(inputs),
     )
 
 
 def compare_models(reference: nn.Module, candidate: nn.Module, inputs: dict, *, skip=(),
-                   centered=CENTERED_OUTPUTS) -> Verification:
+                   centered=CENTERED_OUTPUTS, output_map=None) -> Verification:
     """`normfold verify ORIGINAL CONVERTED`: errors of a saved conversion against its original.
 
     Without the conversion recipe there is no exact float64 re-conversion: the float64 check runs
@@ -280,6 +247,7 @@ def compare_models(reference: nn.Module, candidate: nn.Module, inputs: dict, *, 
     stored = working_dtype(candidate)
     tol = stored_weights_tolerance(stored)
     return verify_conversion(reference, candidate, inputs, fp64_tol=tol, skip=skip, centered=centered,
+                             output_map=output_map,
                              reconvert=lambda _orig64: copy.deepcopy(candidate).to(torch.float64).eval())
 
 

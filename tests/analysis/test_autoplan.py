@@ -14,7 +14,7 @@ import normfold
 from auto_families import FAMILIES
 from helpers import realistic, rel_err, run_flat
 from normfold.adapters import find_adapter, list_adapters
-from normfold.autoplan import derive_adapter, modality_inputs, resolve
+from normfold.analysis.autoplan import derive_adapter, modality_inputs, resolve
 from normfold.errors import UnsupportedModelError
 
 transformers = pytest.importorskip("transformers")
@@ -167,11 +167,11 @@ def test_cli_inputs_file_and_auto(tmp_path):
     assert bad.returncode == 2 and "no such file" in bad.stderr
 
 
-@pytest.mark.parametrize("key,options", [("stablelm", {}), ("dinov2", {"pad": True})])
-def test_derived_plan_converts_to_crmsnorm(key, options):
+@pytest.mark.parametrize("key,pad", [("stablelm", False), ("dinov2", True)])
+def test_derived_plan_converts_to_crmsnorm(key, pad):
     """The derived plan feeds --to crmsnorm too. LayerScale models need the padded form: λ (set to 1) keeps
     d entries and multiplies the stream, so the (d−1)-wide form is refused with a hint to --pad."""
     model = realistic(BY_KEY[key].build())
-    conv, report = normfold.convert(model, to="crmsnorm", inputs=modality_inputs(model), variant_options=options)
+    conv, report = normfold.convert(model, to="crmsnorm", inputs=modality_inputs(model), pad=pad)
     assert report.adapter == "analysis" and report.verification["passed"]
     assert report.verification["fp64"]["max_rel_error"] <= 1e-9

@@ -239,7 +239,10 @@ def test_interrupt_while_saving_removes_the_temporary_output(good, tmp_path, cap
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
+    import normfold.checkpoint.writer
+
     monkeypatch.setattr(safetensors.torch, "save_file", interrupted)
+    monkeypatch.setattr(normfold.checkpoint.writer, "write_all", interrupted)  # mid-file, normfold's own writer
     rc = main(["convert", str(good), "--out", str(tmp_path / "out"), "-q"])
     _, err = capsys.readouterr()
     assert rc == 130 and "interrupted; nothing was written" in err and "Traceback" not in err

@@ -45,9 +45,9 @@ def _convert(adapter, example, model, pad, **kw):
     key = (adapter.name, example.name, pad)
     if key in REFUSED:
         with pytest.raises(UnsupportedConversionError):
-            normfold.convert(model, to="crmsnorm", variant_options={"pad": pad}, verify=False)
+            normfold.convert(model, to="crmsnorm", pad=pad, verify=False)
         pytest.skip(f"refused by design: {REFUSED[key]}")
-    return normfold.convert(model, to="crmsnorm", variant_options={"pad": pad}, **kw)
+    return normfold.convert(model, to="crmsnorm", pad=pad, **kw)
 
 
 @pytest.mark.parametrize("adapter,example,head", CASES, ids=[_id(c) for c in CASES])

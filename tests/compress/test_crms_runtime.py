@@ -72,7 +72,7 @@ CAUSAL = [(a, ex, h) for a in list_adapters() for ex in a.examples[:1] for h in 
 def test_generate_with_kv_cache_after_save_and_load(adapter, example, head, pad, tmp_path):
     torch.manual_seed(0)
     model = realistic(example.build(head, torch.float64))
-    conv, report = normfold.convert(model, to="crmsnorm", variant_options={"pad": pad}, verify=False)
+    conv, report = normfold.convert(model, to="crmsnorm", pad=pad, verify=False)
     loaded = normfold.load(normfold.save(conv, report, tmp_path / "out"))
     assert any(isinstance(m, StreamCRMSNorm) for m in loaded.modules())
     ids = torch.randint(3, model.config.vocab_size, (2, 4), generator=torch.Generator().manual_seed(0))

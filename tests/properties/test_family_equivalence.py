@@ -104,7 +104,8 @@ def build(case: Case, dtype=torch.float64) -> nn.Module:
 
 def convert_or_refused(model, to, options):
     try:
-        return normfold.convert(model, to=to, variant_options=options, verify=False)
+        return normfold.convert(model, to=to, pad=bool(options.get("pad")), verify=False,
+                                variant_options={k: v for k, v in options.items() if k != "pad"} or None)
     except UnsupportedConversionError as e:
         event(f"refused: {to} {options}: {str(e)[:80]}")
         return None, None

@@ -61,7 +61,8 @@ def make(tmp_path, family: str, to: str = "rmsnorm", dtype=None, head=None, **va
         model = model.to(dtype)
     orig = tmp_path / "orig"
     model.save_pretrained(orig, max_shard_size="20KB")
-    conv, report = normfold.convert(model, to=to, verify=False, variant_options=variant_options or None)
+    pad = variant_options.pop("pad", None)
+    conv, report = normfold.convert(model, to=to, verify=False, pad=pad, variant_options=variant_options or None)
     out = normfold.save(conv, report, tmp_path / "conv")
     sharded = tmp_path / "conv-sharded"
     shutil.copytree(out, sharded)

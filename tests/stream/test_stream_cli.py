@@ -99,7 +99,7 @@ def test_two_processes_two_outputs(ckpt, tmp_path):
 
 
 def test_auto_streams_above_threshold(ckpt, tmp_path, capsys, monkeypatch):
-    from normfold.stream import cli as stream_cli
+    from normfold.cli import convert_stream as stream_cli
 
     monkeypatch.setattr(stream_cli, "AUTO_BYTES", 1)
     assert main(["convert", str(ckpt), "--out", str(tmp_path / "o"), "-q", "--json"]) == 0
@@ -129,7 +129,7 @@ def test_disk_full_is_a_user_error(ckpt, tmp_path, capsys, monkeypatch):
 def test_large_sources_are_verified_block_by_block(ckpt, tmp_path, capsys, monkeypatch, extra):
     """Above the in-memory threshold the streamed output is verified by normfold.stream.blockverify: same
     verdict and the same float64 level as the in-memory verification of the same conversion."""
-    from normfold.stream import cli as stream_cli
+    from normfold.cli import convert_stream as stream_cli
 
     monkeypatch.setattr(stream_cli, "VERIFY_IN_MEMORY_BYTES", 0)
     assert main(["convert", str(ckpt), "--out", str(tmp_path / "out"), "--stream", "always", "-q", "--json",
@@ -142,7 +142,7 @@ def test_large_sources_are_verified_block_by_block(ckpt, tmp_path, capsys, monke
 
 def test_blockwise_verification_catches_a_wrong_streamed_tensor(ckpt, tmp_path, capsys, monkeypatch):
     """A streamed conversion that wrote one wrong tensor is refused and nothing is written."""
-    from normfold.stream import cli as stream_cli
+    from normfold.cli import convert_stream as stream_cli
     from normfold.stream import convert as stream_convert_mod
 
     real = stream_convert_mod.stream_convert

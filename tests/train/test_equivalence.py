@@ -43,10 +43,10 @@ def test_float64_training_equals_layernorm(family, optimizer, to):
 
 @pytest.mark.parametrize("family", ["gpt2", "whisper"])
 def test_rmsnorm_with_folded_affines(family):
-    """prepare(fold=True): γ/β folded into the readers' φ (convert's form) trains exactly too."""
+    """prepare(keep_affine=False): γ/β folded into the readers' φ (convert's form) trains exactly too."""
     fam = tk.FAMILIES[family]
     ln, prep = tk.pair(fam)
-    nftrain.prepare(prep, to="rmsnorm", fold=True)
+    nftrain.prepare(prep, to="rmsnorm", keep_affine=False)
     assert nftrain.state(prep).folded
     ref = tk.train(ln, fam, "adamw")
     got = tk.train(prep, fam, "adamw")

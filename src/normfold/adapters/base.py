@@ -45,6 +45,9 @@ class NormSite:
 class KeptNorm:
     path: str
     reason: str
+    # False when the norm does not read a residual stream (Phi's per-head q/k norms read a projection's
+    # output; SigLIP's pooling head normalizes the pooled vector): a rotation of the stream leaves it alone.
+    on_stream: bool = True
 
 
 @dataclass
@@ -124,7 +127,7 @@ class TinyExample:
     """A tiny random configuration of a family (transformers class names + config kwargs).
 
     Used by the generic family tests (tests/adapters/test_families.py: float64 exactness on every
-    output, float32 error, stock reload, CLI) and by scripts/family_table.py for the README table."""
+    output, float32 error, stock reload, CLI) and by scripts/family_table.py for the table in docs/families.md."""
 
     name: str
     config: str
@@ -149,7 +152,7 @@ class Capabilities:
     post_ln: bool = False
 
 
-def _default_inputs(model: nn.Module, generator: torch.Generator, batch: int = 2, seq: int = 16) -> dict:
+def default_inputs(model: nn.Module, generator: torch.Generator, batch: int = 2, seq: int = 16) -> dict:
     cfg = model.config
     vocab = cfg.vocab_size
     max_pos = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None) or seq
@@ -175,7 +178,7 @@ class Adapter:
     plan: Callable[[nn.Module], ConversionPlan]
     model_types: tuple[str, ...] = ()
     model_classes: tuple[str, ...] = ()
-    example_inputs: Callable[[nn.Module, torch.Generator], dict] = _default_inputs
+    example_inputs: Callable[[nn.Module, torch.Generator], dict] = default_inputs
     check: Callable[[nn.Module], None] | None = None
     capabilities: Capabilities = Capabilities()
     examples: tuple[TinyExample, ...] = ()
@@ -219,6 +222,29 @@ def get(model: nn.Module, path: str):
             raise AttributeError(f"{type(model).__name__} has no '{path}' (missing '{part}')")
         obj = getattr(obj, part)
     return obj
+
+
+def submodule(model: nn.Module, path: str) -> nn.Module:
+    """The submodule at a dotted path, walked through the module tree only (each module's registered
+    children, what `named_modules()` lists): never an attribute, so a path read from an untrusted report
+    (`transformer.__class__.forward`) cannot leave the tree. LookupError if there is none."""
+    obj = model
+    for part in path.split(".") if path else []:
+        child = obj._modules.get(part) if isinstance(obj, nn.Module) else None
+        if child is None:
+            raise LookupError(f"{type(model).__name__} has no submodule {path!r} (missing {part!r})")
+        obj = child
+    return obj
+
+
+def parameter(model: nn.Module, path: str) -> nn.Parameter:
+    """The parameter at a dotted path (a registered parameter of a submodule, as `named_parameters()` lists
+    them). LookupError if there is none."""
+    head, _, leaf = path.rpartition(".")
+    p = submodule(model, head)._parameters.get(leaf)
+    if p is None:
+        raise LookupError(f"{type(model).__name__} has no parameter {path!r}")
+    return p
 
 
 def exists(model: nn.Module, path: str) -> bool:

@@ -39,7 +39,7 @@ def plan(model: nn.Module) -> ConversionPlan:
         leaf = name.rpartition(".")[2]
         if isinstance(module, nn.LayerNorm) and leaf in ("q_layernorm", "k_layernorm"):
             proj = "q_proj" if leaf == "q_layernorm" else "k_proj"
-            kept.append(KeptNorm(name, _QK_REASON.format(proj=proj)))
+            kept.append(KeptNorm(name, _QK_REASON.format(proj=proj), on_stream=False))
     notes = ["q/k LayerNorms (qk_layernorm=True) are kept: they are not on the residual stream"] if kept else []
     return ConversionPlan(adapter="phi", streams=[stream], kept=kept, notes=notes)
 

@@ -60,7 +60,7 @@ def siglip_like_plan(adapter: str, text_cls: str, vision_cls: str, vision_tower:
                 stream.recenter_before.append(join(vision, vision_tower.layers, "0"))
                 plan.notes.append(recenter_vision)
             if present(model, head):
-                plan.kept.append(KeptNorm(join(head, "layernorm"), MAP_HEAD_REASON))
+                plan.kept.append(KeptNorm(join(head, "layernorm"), MAP_HEAD_REASON, on_stream=False))
         return plan
 
     return plan_of

@@ -11,6 +11,15 @@ from .ccwt import (
 )
 from .layouts import Layout, is_linear_reader, layout_of, register_layout
 from .offline import fold_into_writer, offline_affine
+from .rotation import (
+    fix_ones,
+    hadamard_matrix,
+    has_hadamard,
+    random_orthogonal,
+    rotate_axis,
+    rotation_matrix,
+    unfold_gamma_bias,
+)
 from .tensors import (
     center,
     center_writer,
@@ -29,4 +38,6 @@ __all__ = [
     "Layout", "layout_of", "register_layout", "is_linear_reader",
     "center", "center_writer", "scale_writer", "fold_affine", "compress_reader", "compress_writer",
     "decompress_reader", "decompress_writer", "fold_offline_norm", "offline_affine", "fold_into_writer",
+    "fix_ones", "hadamard_matrix", "has_hadamard", "random_orthogonal", "rotate_axis", "rotation_matrix",
+    "unfold_gamma_bias",
 ]

@@ -18,7 +18,7 @@ from typing import Callable
 from torch import nn
 
 from ..modelinfo import working_dtype
-from ..verify import cast_inputs
+from ..forward import cast_inputs
 from .graph import Graph
 from .propagate import Options, Propagation
 from .report import AnalysisReport, NormReport, WriterReport, build_report

@@ -43,7 +43,7 @@ from .rules import (
     not_zero_mean,
     rule_for,
 )
-from .rules import _same as _same_axis
+from .rules import same_axis as _same_axis
 
 SOURCE_KINDS = ("input", "param", "buffer", "constant", "get_attr")
 STREAM_OUTPUTS = ("*last_hidden_state",)
@@ -140,7 +140,7 @@ class Propagation:
         """Output leaves that carry the stream and may come back recentred: hidden states (as verify
         accepts them), a last_hidden_state that is the raw stream (no final norm: CLIP's vision tower,
         as its adapter does), and the user's patterns. Pooled outputs, logits, embeddings: never."""
-        from ..verify import CENTERED_OUTPUTS
+        from ..forward import CENTERED_OUTPUTS
 
         patterns = tuple(CENTERED_OUTPUTS) + STREAM_OUTPUTS + self.options.recentred_outputs
         names = self.graph.output_names or []

@@ -97,7 +97,7 @@ class AnalysisReport:
         return json.dumps(self.to_dict(), indent=2, ensure_ascii=False)
 
     def table(self, width: int = 100) -> str:
-        from ..cli.ui import table
+        from ..tables import table
 
         rows = []
         for n in self.norms:

@@ -219,7 +219,7 @@ class Structural(Rule):
         return self.mapper(node, axis) if pos == 0 else None
 
 
-def _same(node, axis):
+def same_axis(node, axis):
     return axis
 
 
@@ -393,7 +393,7 @@ class Dropout(Structural):
     doc = "identity in eval mode; in training mode the random mask breaks zero mean"
 
     def __init__(self):
-        super().__init__(_same)
+        super().__init__(same_axis)
 
     @staticmethod
     def active(node: Node) -> bool:
@@ -490,7 +490,7 @@ class Neg(Structural):
     transparent = False
 
     def __init__(self):
-        super().__init__(_same)
+        super().__init__(same_axis)
 
 
 class RowMix(Rule):
@@ -619,9 +619,9 @@ register_rule(Meta(), "_assert_tensor_metadata", "_assert_scalar", "sym_size", "
               "dim", "numel", "getattr", "_assert_async", "sym_constrain_range_for_size", "empty_like", "ones_like",
               "full_like", "rand_like", "randn_like", "new_ones", "new_empty", "new_full")
 register_rule(Zeros(), "zeros", "zeros_like", "new_zeros")
-register_rule(Structural(_same), "alias", "clone", "contiguous", "detach", "lift_fresh_copy", "_to_copy", "to",
+register_rule(Structural(same_axis), "alias", "clone", "contiguous", "detach", "lift_fresh_copy", "_to_copy", "to",
               "identity")
-register_rule(Structural(_same, meta_args=(1, "other")), "type_as")
+register_rule(Structural(same_axis, meta_args=(1, "other")), "type_as")
 register_rule(Structural(_reshape), "view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze",
               "unsqueeze", "view_as", "reshape_as")
 register_rule(Structural(_expand), "expand", "expand_as", "broadcast_to")

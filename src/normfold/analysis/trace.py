@@ -115,20 +115,20 @@ def example_inputs(model: nn.Module, seed: int = 0) -> dict:
     try:
         inputs = dict(find_adapter(model).example_inputs(model, g))
     except UnsupportedModelError:
-        inputs = _generic_inputs(model, g)
+        inputs = generic_inputs(model, g)
     from ..modelinfo import working_dtype
-    from ..verify import _accepts, cast_inputs
+    from ..forward import accepts, cast_inputs
 
     inputs = cast_inputs(inputs, working_dtype(model))  # an adapter's float inputs may be float32
     # As normfold.verify runs the model: hidden states are outputs too (a final norm's output is one).
-    if "use_cache" in _forward_params(model):
+    if "use_cache" in forward_params(model):
         inputs.setdefault("use_cache", False)
-    if _accepts(model, "output_hidden_states"):
+    if accepts(model, "output_hidden_states"):
         inputs.setdefault("output_hidden_states", True)
     return inputs
 
 
-def _generic_inputs(model: nn.Module, g: torch.Generator) -> dict:
+def generic_inputs(model: nn.Module, g: torch.Generator) -> dict:
     cfg = getattr(model, "config", None)
     main = getattr(model, "main_input_name", None)
     if cfg is None or main not in INPUT_BUILDERS:
@@ -141,13 +141,13 @@ def _generic_inputs(model: nn.Module, g: torch.Generator) -> dict:
     batch = 1 if type(model).__name__.endswith("ForSequenceClassification") and \
         getattr(cfg, "pad_token_id", None) is None else 2
     inputs = {main: INPUT_BUILDERS[main](cfg, g, batch, seq)}
-    params = _forward_params(model)
+    params = forward_params(model)
     if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params:
         inputs["decoder_input_ids"] = torch.randint(0, cfg.vocab_size, (batch, 4), generator=g)
     return inputs
 
 
-def _forward_params(model: nn.Module) -> dict:
+def forward_params(model: nn.Module) -> dict:
     try:
         return dict(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError):
@@ -161,7 +161,7 @@ def as_kwargs(model: nn.Module, inputs) -> dict:
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
     if isinstance(inputs, (tuple, list)):
-        names = [n for n, p in _forward_params(model).items()
+        names = [n for n, p in forward_params(model).items()
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         if len(inputs) > len(names):
             raise NormfoldError(f"{type(model).__name__}.forward takes {len(names)} positional inputs, "
@@ -175,7 +175,7 @@ def as_kwargs(model: nn.Module, inputs) -> dict:
 def output_names(graph: Graph) -> list[str | None]:
     """normfold.verify's name ('logits', 'hidden_states[3]', 'output') of each graph output leaf, found
     by rebuilding the output structure around marker tensors (no forward pass needed)."""
-    from ..verify import flatten_outputs
+    from ..forward import flatten_outputs
 
     leaves = graph.output.args[0]
     n_user = graph.n_user_outputs or len(leaves)

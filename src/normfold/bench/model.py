@@ -163,7 +163,7 @@ def run(model_path=None, out_dir="benchmarks", dtypes=("float32", "bfloat16"), s
         extra = {}
         if to == "crmsnorm":
             extra = {"crms": convert(model, to="crmsnorm", verify=False)[0],
-                     "crms_pad": convert(model, to="crmsnorm", verify=False, variant_options={"pad": True})[0]}
+                     "crms_pad": convert(model, to="crmsnorm", verify=False, pad=True)[0]}
         vocab = model.config.vocab_size
         for batch, seq in shapes:
             ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))

@@ -49,9 +49,9 @@ MODELS = {"vit-tiny": vit_tiny, "gpt2-mini": gpt2_mini}
 
 
 def variants(model: nn.Module, inputs: dict) -> dict[str, nn.Module]:
-    from ..fuse import fuse_offline_norms
+    from ..unified.fuse import fuse_offline_norms
     from ..nn.offline import OfflineNorm
-    from ..un import swap_layernorms
+    from ..unified.variant import swap_layernorms
 
     model = model.eval()
     un = copy.deepcopy(model)

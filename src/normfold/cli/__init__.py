@@ -12,7 +12,7 @@ import traceback
 from .._version import __version__
 from ..errors import NormfoldError
 
-_COMMANDS = ("convert", "verify", "analyze", "fuse", "bench")
+_COMMANDS = ("convert", "verify", "analyze", "fuse", "export", "bench")
 
 DESCRIPTION = """\
 normfold turns LayerNorm Transformers into arithmetically equivalent RMSNorm models.
@@ -32,6 +32,7 @@ examples:
   normfold analyze ./my-bert                  which LayerNorms can be folded, and why the others cannot
   normfold convert ./my-gpt2 --to un --out ./gpt2-un   swap LayerNorm for Unified Normalization (to fine-tune)
   normfold fuse ./gpt2-un-ft --out ./gpt2-fused        fold a fine-tuned UN model's norms into its linears
+  normfold export ./gpt2-rms --onnx gpt2-rms.onnx      export to ONNX and check it in onnxruntime
 
 exit codes: 0 ok, 1 verification failed, 2 bad input (message on stderr, nothing written),
             3 internal error (a bug: please report it with the traceback), 130 interrupted.

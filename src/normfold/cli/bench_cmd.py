@@ -38,9 +38,19 @@ suites:
           normfold.train Pre-RMSNorm / Pre-CRMSNorm vs a naive RMSNorm swap vs LayerNorm from θ₀
           moved by 1 ulp (the float32 chaos floor); loss curves (CSV, PNG)
           (--steps, default 120; --text FILE: the KJV as printed by Debian's `bible` tool)
+  quant   fake quantization (RTN, W8A8 / W4A8 / W4A4 per token and per tensor, W8 / W4 weight-only) of
+          MODEL (default: the bundled one; perplexity on held-out KJV chapters) and of a GPT-2 with outlier
+          channels: original vs plain vs rotated (--rotate hadamard) vs rotated + online Hadamard, with
+          activation crest factors at the linears' inputs (docs/rotation.md)
   train-speed
           training step time (forward + backward + AdamW) of LayerNorm vs normfold.train-prepared
           models: the bundled model (8x256) and ViT-S/16 (batch 8), eager and torch.compile
+
+  onnx    converted models in onnxruntime (2 threads, all graph optimisations, float32): the
+          original vs Pre-RMS (RMSNormalization at opset 23, decomposed at opset 18, onnxruntime's
+          SimplifiedLayerNormalization) vs Pre-CRMS vs the no-norm floor, and both after
+          onnxruntime's transformer optimizer; an A/A control (GPT-2 width x 4 layers at 256
+          tokens, ViT-S/16; --quick: GPT-2 x 2 layers at 128 tokens). Needs the onnx extra.
 
 on a GPU (one command each):
   normfold bench ops --device cuda     Triton kernels vs F.layer_norm / F.rms_norm /
@@ -53,7 +63,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="run benchmark suites (CSV + markdown + PNG)", description=DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("suite", choices=list(SUITES), help="which suite")
-    p.add_argument("model", nargs="?", metavar="MODEL", help="model for the 'model' suite (default: bundled)")
+    p.add_argument("model", nargs="?", metavar="MODEL", help="model for the 'model' and 'quant' suites (default: bundled)")
     p.add_argument("--out", default="benchmarks", metavar="DIR", help="output directory (default: ./benchmarks)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and rounds (a smoke run)")
     p.add_argument("--rounds", type=int, help="timed rounds per candidate (default: 30 ops, 40 model)")
@@ -170,12 +180,24 @@ def _un(args):
     return un.run(args.out, batches=batches, rounds=args.rounds or (5 if args.quick else 10), progress=not args.quiet)
 
 
+def _onnx(args):
+    from ..bench import onnxrt
+
+    return onnxrt.run(args.out, quick=args.quick, rounds=args.rounds, progress=not args.quiet)
+
+
 def _train(args):
     from ..bench import train
 
     steps = args.steps or (20 if args.quick else 120)
     return train.run(args.out, steps=steps, text=args.text, progress=not args.quiet,
                      eval_every=5 if args.quick else 20)
+
+
+def _quant(args):
+    from ..bench import quant
+
+    return quant.run(args.model, args.out, quick=args.quick, progress=not args.quiet, text=args.text)
 
 
 def _train_speed(args):
@@ -186,8 +208,9 @@ def _train_speed(args):
 
 
 # suite name -> runner(args) -> (rows, written paths)
-SUITES = {"ops": _ops, "calls": _calls, "model": _model, "epilogue": _epilogue, "e2e": _e2e, "hf": _hf, "convert": _convert,
-          "un": _un, "train": _train, "train-speed": _train_speed}
+SUITES = {"ops": _ops, "calls": _calls, "model": _model, "epilogue": _epilogue, "e2e": _e2e, "hf": _hf,
+          "convert": _convert, "un": _un, "train": _train, "train-speed": _train_speed, "quant": _quant,
+          "onnx": _onnx}
 
 
 # The options each suite honours; any other option given a non-default value is refused (exit 2)
@@ -203,6 +226,8 @@ ACCEPTS = {
     "un": {"quick", "rounds", "batches"},
     "train": {"quick", "steps", "text"},
     "train-speed": {"quick", "rounds", "no_compile", "dropout"},
+    "quant": {"model", "quick", "text"},
+    "onnx": {"quick", "rounds"},
 }
 _DEFAULTS = {"model": None, "quick": False, "rounds": None, "device": "cpu", "compile": False, "models": None,
              "batches": None, "dtypes": None, "eager": False, "to": "rmsnorm",

@@ -83,6 +83,14 @@ def add_parser(sub) -> None:
     p.add_argument("--pad", action="store_true",
                    help="--to crmsnorm: keep every tensor d-wide with a zero last stream coordinate instead of d-1 "
                         "(paper 001 §3.4.2, for hardware that handles d-1 poorly)")
+    p.add_argument("--rotate", choices=["hadamard", "orthogonal"], default=None,
+                   help="rotate the residual stream by an orthogonal Q fixing the all-ones direction after the "
+                        "Pre-RMSNorm conversion (randomized Hadamard where the width has a construction, else a "
+                        "random orthogonal matrix); exact, for int8/int4 quantization (docs/rotation.md)")
+    p.add_argument("--rotate-seed", type=int, default=0, metavar="N", help="seed of the rotation (default 0)")
+    p.add_argument("--rotate-online", action="store_true",
+                   help="with --rotate: also rotate the input of every MLP down-projection by a Hadamard at run "
+                        "time (exact; for 4-bit activations; the checkpoint then needs normfold.load)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="option of the conversion target, repeatable (--to un: M, M_grad, warmup, alpha, "
                         "outlier_filtration; e.g. --option warmup=500)")
@@ -110,9 +118,14 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def _text_inputs(model_dir, text: str) -> dict:
+def text_inputs(model_dir, text: str) -> dict:
+    from pathlib import Path
+
+    from ..checkpoint import ModelDir
     from ..errors import NormfoldError
 
+    if Path(model_dir).is_dir():  # the tokenizer files through the path policy before transformers reads them
+        ModelDir(model_dir).check_all()
     try:
         from transformers import AutoTokenizer
 
@@ -123,6 +136,9 @@ def _text_inputs(model_dir, text: str) -> dict:
     if ids.numel() == 0:
         raise NormfoldError("--text produced no tokens")
     return {"input_ids": ids}
+
+
+text_inputs = _text_inputs  # the public name other subcommands import (normfold export)
 
 
 def parse_options(pairs: list[str]) -> dict:
@@ -149,7 +165,7 @@ def run(args) -> int:
     from .. import io
     from ..convert import convert
     from ..errors import NormfoldError, VerificationFailedError
-    from ..stream.cli import maybe_stream
+    from .convert_stream import maybe_stream
 
     streamed = maybe_stream(args, summarize=summary)  # normfold.stream decides; None = in memory
     if streamed is not None:
@@ -173,19 +189,17 @@ def _run_in_memory(args) -> int:
     if args.out and not args.dry_run:
         io.check_output_dir(args.out, args.force)  # fail before any work
     options = parse_options(args.option)
-    if args.pad:
-        if args.to != "crmsnorm":
-            raise NormfoldError("--pad applies to --to crmsnorm only")
-        options["pad"] = True
+    if args.pad and args.to != "crmsnorm":
+        raise NormfoldError("--pad applies to --to crmsnorm only")
     steps = Steps(total=3 if args.dry_run else 4, quiet=args.quiet)
 
     steps.start("load", f"loading {args.model or 'the bundled default model (kjv-gpt2)'}")
     model, source = _load(args.model, args.dtype, trust_remote_code=args.trust_remote_code)
     inputs = None
     if args.text:
-        inputs = _text_inputs(source["path"] or args.model, args.text)
+        inputs = text_inputs(source["path"] or args.model, args.text)
     if getattr(args, "inputs", None):
-        from ..autoplan import load_inputs
+        from ..analysis.autoplan import load_inputs
 
         inputs = {**(inputs or {}), **load_inputs(args.inputs)}
     adapter, analysis = _adapter(model, args, inputs, steps)
@@ -208,7 +222,9 @@ def _run_in_memory(args) -> int:
         inputs = analysis.inputs  # the traced inputs (with the flags verify runs the model with)
     converted, report = convert(model, to=args.to, keep_affine=args.keep_affine, fold_final=args.fold_final,
                                 allow_new_bias=args.allow_new_bias, adapter=adapter, inputs=inputs,
-                                fp64_tol=args.fp64_tol, progress=progress, variant_options=options)
+                                fp64_tol=args.fp64_tol, progress=progress, variant_options=options,
+                                pad=bool(args.pad), rotate=args.rotate, rotate_seed=args.rotate_seed,
+                                rotate_online=args.rotate_online)
     report.source = source
     v = report.verification
     # A variant that is not output-exact (--to un) has nothing to verify: its report says so.
@@ -237,7 +253,7 @@ def _run_in_memory(args) -> int:
 
 def _adapter(model, args, inputs, steps):
     """The registered adapter, or (none registered / --auto) the plan derived from the analysis."""
-    from ..autoplan import resolve
+    from ..analysis.autoplan import resolve
 
     auto = getattr(args, "auto", False)
 
@@ -255,7 +271,7 @@ def _adapter(model, args, inputs, steps):
 
 def derived_summary(analysis) -> str:
     """Which norms the derived plan converted or kept, and why (the analysis' verdicts)."""
-    from ..autoplan import describe
+    from ..analysis.autoplan import describe
 
     lines = describe(analysis)
     head = f"\n  plan derived from the analysis ({analysis.tracer} trace, no hand-written adapter used):"

@@ -50,7 +50,7 @@ def run(args) -> int:
 
     from .. import io
     from ..errors import NormfoldError, VerificationFailedError
-    from ..fuse import checkpoint_report, example_inputs, fuse_offline_norms
+    from ..unified.fuse import checkpoint_report, example_inputs, fuse_offline_norms
     from ..nn.offline import offline_norms
 
     io.check_output_dir(args.out, args.force)  # fail before any work

@@ -10,6 +10,12 @@ from .ui import Steps, sci, table
 DESCRIPTION = """\
 Run ORIGINAL and CONVERTED side by side and report the errors of CONVERTED.
 
+With one argument (`normfold verify CONVERTED`), check a normfold checkpoint without its original:
+every file through the path policy, normfold.json against its schema and against config.json and the
+weights, and each weight file against the SHA-256 recorded when it was written (the changed file is
+named; exit code 1). The digests live in normfold.json itself: this catches a corrupted or edited weight
+file, not someone who rewrites the report too.
+
 CONVERTED is a directory written by `normfold convert` (loaded with normfold's fast norms) or any
 model directory. Both run on the same inputs (random tokens or --text): in float64 (the stored
 weights' rounding included, so the tolerance is 1024 ulp of float32, 8 ulp of bfloat16/float16) and
@@ -31,8 +37,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("verify", help="compare a converted model with its original", description=DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="exit codes: 0 pass, 1 errors beyond tolerance, 2 bad input")
-    p.add_argument("original", metavar="ORIGINAL", help="the original model directory or hub id")
-    p.add_argument("converted", metavar="CONVERTED", help="the converted model directory")
+    p.add_argument("original", metavar="ORIGINAL", help="the original model directory or hub id (alone: the "
+                   "converted directory, checked against the digests its normfold.json recorded)")
+    p.add_argument("converted", metavar="CONVERTED", nargs="?", help="the converted model directory")
     p.add_argument("--text", help="verify on this text (ORIGINAL's tokenizer) instead of random tokens")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     p.add_argument("--blockwise", action=argparse.BooleanOptionalAction, default=None,
@@ -55,17 +62,26 @@ def run(args) -> int:
     from ..adapters import find_adapter
     from ..errors import NormfoldError, UnsupportedModelError
     from ..verify import CENTERED_OUTPUTS, compare_models
-    from .convert_cmd import _text_inputs
+    from .convert_cmd import text_inputs
 
+    if args.converted is None:
+        return _run_integrity(args)
     if _use_blockwise(args):
         return _run_blockwise(args)
     steps = Steps(total=3, quiet=args.quiet)
+    output_map, skip = None, ()
     steps.start("load", f"loading {args.original} and {args.converted}")
     original, _ = io.load_source(args.original, trust_remote_code=args.trust_remote_code)
     conv_path = Path(args.converted)
     if (conv_path / io.REPORT_FILE).is_file():
         converted = io.load(conv_path)
         centered = tuple(converted.normfold_report.centered_outputs) or CENTERED_OUTPUTS
+        rotation = converted.normfold_report.structure.rotation
+        if rotation:  # a rotated stream: compare in the original basis; the final norms' γ/β are in the heads
+            from ..rotate import unrotate_outputs
+
+            output_map = unrotate_outputs(rotation, centered)
+            skip = ("last_hidden_state", "hidden_states[-1]")
     else:
         converted, _ = io.load_source(args.converted, trust_remote_code=args.trust_remote_code)
         centered = CENTERED_OUTPUTS
@@ -73,19 +89,62 @@ def run(args) -> int:
         raise NormfoldError(f"ORIGINAL is a {type(original).__name__} but CONVERTED is a {type(converted).__name__}")
     steps.start("inputs", "preparing inputs")
     if args.text:
-        inputs = _text_inputs(args.original, args.text)
+        inputs = text_inputs(args.original, args.text)
     else:
         gen = torch.Generator().manual_seed(args.seed)
         try:
             inputs = find_adapter(original).example_inputs(original, gen)
         except UnsupportedModelError:
-            from ..adapters.base import _default_inputs
+            from ..adapters.base import default_inputs
 
-            inputs = _default_inputs(original, gen)
+            inputs = default_inputs(original, gen)
     steps.start("verify", "running both models")
-    result = compare_models(original, converted, inputs, centered=centered).to_dict()
+    result = compare_models(original, converted, inputs, centered=centered, output_map=output_map,
+                            skip=skip).to_dict()
     steps.end()
     return _print_result(args, result)
+
+
+def _run_integrity(args) -> int:
+    """`normfold verify CONVERTED`: schema, structure and the recorded SHA-256 of every weight file."""
+    from pathlib import Path
+
+    from .. import io
+    from ..checkpoint import ModelDir, check_digests, weight_files
+    from ..errors import CheckpointError, NormfoldError
+
+    path = Path(args.original)
+    steps = Steps(total=1, quiet=args.quiet)
+    steps.start("check", f"checking {path} against its normfold.json")
+    if not path.is_dir():
+        raise NormfoldError(f"{path}: no such directory (with one argument, verify checks a normfold checkpoint)")
+    directory = ModelDir(path)
+    if not directory.exists(io.REPORT_FILE):
+        raise CheckpointError(f"{path} has no {io.REPORT_FILE}: with one argument, verify checks a normfold "
+                              "checkpoint against the digests it recorded; to compare any model with its original "
+                              "run `normfold verify ORIGINAL CONVERTED`")
+    report, _, _, stock = io.inspect_converted(path)
+    if not report.weight_files:
+        raise CheckpointError(f"{path / io.REPORT_FILE} records no weight-file digests (report written by an older "
+                              "normfold, before format 2); verify it against its original with `normfold verify "
+                              "ORIGINAL CONVERTED`, or reconvert it")
+    found = weight_files(directory, io.STOCK_INDEX, io.STOCK_WEIGHTS) if stock else None
+    files = found[0] if found else io.normfold_weight_files(directory)
+    rows = check_digests({f.name: f for f in files}, report.weight_files)
+    steps.end()
+    bad = [r for r in rows if r["status"] != "ok"]
+    if args.json:
+        print(json.dumps({"passed": not bad, "files": rows}, indent=2))
+    else:
+        print(table([[r["file"], r["status"], (r["sha256"] or "")[:16]] for r in rows],
+                    header=["weight file", "status", "sha256"]))
+        if bad:
+            what = "; ".join(f"{r['file']} {r['status']}" for r in bad[:5])
+            print(f"\n  FAIL: {what}: the weights differ from those normfold wrote (recorded in {io.REPORT_FILE}); "
+                  "re-download the checkpoint or reconvert the model")
+        else:
+            print(f"\n  PASS: {len(rows)} weight file(s) match the SHA-256 recorded in {io.REPORT_FILE}")
+    return 1 if bad else 0
 
 
 def _weights_bytes(path) -> int | None:
@@ -112,9 +171,9 @@ def _run_blockwise(args) -> int:
 
     inputs = None
     if args.text:
-        from .convert_cmd import _text_inputs
+        from .convert_cmd import text_inputs
 
-        inputs = _text_inputs(args.original, args.text)
+        inputs = text_inputs(args.original, args.text)
     steps = Steps(total=1, quiet=args.quiet)
     steps.start("verify", f"verifying {args.converted} against {args.original} block by block")
 

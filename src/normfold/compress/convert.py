@@ -210,7 +210,7 @@ def apply_crmsnorm(model: nn.Module, plan: ConversionPlan, options, report) -> N
     """The `crmsnorm` variant: Pre-LN → Pre-RMSNorm → Pre-CRMSNorm, in place."""
     from ..convert import apply_rmsnorm
 
-    opts = dict(options.variant_options or {})
+    opts = options.target_options() if hasattr(options, "target_options") else dict(options.variant_options or {})
     unknown = sorted(set(opts) - set(OPTIONS))
     if unknown:
         raise UnsupportedConversionError(f"--to crmsnorm takes the option(s) {', '.join(OPTIONS)}; "
@@ -304,7 +304,7 @@ def _probe(model: nn.Module, pad: bool) -> None:
         try:
             inputs = find_adapter(model).example_inputs(model, torch.Generator().manual_seed(0))
         except UnsupportedModelError:  # a plan derived by the analysis (issue 13): inputs from the config
-            from ..autoplan import modality_inputs
+            from ..analysis.autoplan import modality_inputs
 
             try:
                 inputs = modality_inputs(model)

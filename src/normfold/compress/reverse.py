@@ -31,7 +31,7 @@ from ..modelinfo import working_dtype
 from ..nn import RMSNorm
 from ..nn.hooks import add_input_recenter, add_output_recenter
 from ..report import ConversionReport, Structure
-from .sizes import measure, size_report
+from ..sizes import measure, size_report
 from .runtime import StreamCRMSNorm, TiedCompressedHead, remove_compress_hooks, remove_recenter_hooks, set_param
 
 
@@ -177,7 +177,8 @@ def _run(model: nn.Module, steps: list[str], options: dict) -> tuple[nn.Module, 
         elif step == "layernorm":
             to_layernorm(model)
         else:
-            model, report = convert(model, to="crmsnorm", inplace=True, verify=False, variant_options=options)
+            model, report = convert(model, to="crmsnorm", inplace=True, verify=False, pad=bool(options.get("pad")),
+                                    variant_options={k: v for k, v in options.items() if k != "pad"})
     return model, report
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
-from ..adapters.base import get, parent_and_leaf
+from ..adapters.base import get, parameter, parent_and_leaf, submodule
 from ..nn import CRMSNorm, register_norm_type
 
 _COMPRESS_MARK = "_normfold_compress_handle"
@@ -50,6 +50,9 @@ class StreamCRMSNorm(CRMSNorm):
     that is itself a stream writer). `decompress=True`: returns the full d-wide γ⊙n + β, exactly the
     RMSNorm (= LayerNorm) output of the uncompressed model; weight and bias are then d-wide.
     """
+
+    # options a saved report records (normfold.report checks them: name -> type)
+    REPORT_OPTIONS = {"width": int, "decompress": bool, "pad": bool}
 
     def __init__(self, width: int, eps: float = 1e-5, weight: bool = False, bias: bool = False,
                  decompress: bool = False, pad: bool = False, device=None, dtype=None) -> None:
@@ -274,18 +277,19 @@ def set_param(model: nn.Module, name: str, value: Tensor) -> None:
 def apply_compression(model: nn.Module, compression: dict) -> nn.Module:
     """Rebuild a saved Pre-CRMSNorm model's runtime on a freshly built stock model (normfold.load):
     resize the recorded parameters (their values come from the checkpoint) and add the compress hooks.
-    The norms were already swapped from the structure's records."""
+    The norms were already swapped from the structure's records. Paths are resolved through the module
+    tree only (`submodule` / `parameter`), after `normfold.io.validate_structure` checked them."""
     pad = bool(compression.get("pad"))
     for name, shape in compression.get("shapes", {}).items():
-        old = get(model, name)
+        old = parameter(model, name)
         set_param(model, name, torch.zeros(tuple(shape), dtype=old.dtype))
     for path in compression.get("compress_after", []):
-        add_output_compress(get(model, path), pad)
+        add_output_compress(submodule(model, path), pad)
     for path in compression.get("compress_before", []):
-        add_input_compress(get(model, path), pad)
+        add_input_compress(submodule(model, path), pad)
     for tie in compression.get("tied_heads", []):
-        head, table = tie["head"], get(model, tie["table"])
-        old = get(model, head)
+        head, table = tie["head"], submodule(model, tie["table"])
+        old = submodule(model, head)
         ref = table.weight
         mean = torch.zeros(ref.shape[0], dtype=ref.dtype)
         bias = None if not tie.get("bias") else torch.zeros(ref.shape[0], dtype=ref.dtype)
@@ -293,7 +297,7 @@ def apply_compression(model: nn.Module, compression: dict) -> nn.Module:
         setattr(parent, leaf, TiedCompressedHead(table, mean, bias, pad=pad))
         del old
     for path in compression.get("widen_after", []):
-        add_output_widen(get(model, path))
+        add_output_widen(submodule(model, path))
     for path in compression.get("narrow_before", []):
-        add_input_narrow(get(model, path))
+        add_input_narrow(submodule(model, path))
     return model

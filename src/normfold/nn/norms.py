@@ -41,7 +41,7 @@ class _AffineNorm(nn.Module):
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.ones(self.normalized_shape, **factory)) if weight else None
         self.bias = nn.Parameter(torch.zeros(self.normalized_shape, **factory)) if bias else None
-        ops.prepare()  # load the fast kernels now: torch.compile cannot load them while tracing
+        ops.load_kernels()  # load the fast kernels now: torch.compile cannot load them while tracing
 
     def _affine(self) -> tuple[Tensor | None, Tensor | None]:
         """(weight, bias) as `self.weight, self.bias` gives them, for less: nn.Module.__getattr__ costs

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import typing
 from dataclasses import dataclass
 
 import torch
@@ -139,6 +140,10 @@ class OfflineNorm(nn.Module):
     forward(x, padding_mask=None): padding_mask (shape x.shape[:-1], True = padded token) excludes
     tokens from every statistic; `padding(model, mask)` sets it for norms called by library code.
     """
+
+    # options a saved report may record for this module (normfold.report checks them: name -> type)
+    REPORT_OPTIONS = {"method": str, "alpha": float, "eta": float, "M": int, "M_grad": typing.Optional[int],
+                      "warmup": int, "outlier_filtration": typing.Optional[bool]}
 
     def __init__(self, normalized_shape, method: str = "un", eps: float = 1e-5, *, alpha: float = 0.9,
                  eta: float = 0.9, M: int = 4, M_grad: int | None = None, warmup: int = 4000,

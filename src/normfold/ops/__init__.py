@@ -11,7 +11,10 @@ registered backend (see `normfold.ops.registry`) that supports the input:
   compiler fuses itself;
 - CUDA tensors: the Triton kernels of `normfold.ops.triton_kernels` when triton is installed
   (NORMFOLD_TRITON=0 disables them);
-- anything else (float64, devices without a backend): the reference formula.
+- anything else (float64, devices without a backend): the reference formula;
+- while exporting (`torch.export`, `torch.onnx.export(dynamo=True)`): standard ATen ops
+  (`normfold.ops.portable`: `aten.rms_norm`, hence ONNX `RMSNormalization` at opset ≥ 23), so the
+  exported program runs without normfold.
 
 NORMFOLD_BACKEND=reference forces the reference path everywhere (for debugging and A/B tests);
 NORMFOLD_CPU_KERNEL=0 disables the C kernels. Both are read once (at import / first use): call
@@ -24,13 +27,13 @@ import torch
 from torch import Tensor
 
 from ..errors import NormInputError
-from . import cpu, cpu_library, reference, registry, triton_kernels
+from . import cpu, cpu_library, portable, reference, registry, triton_kernels
 from .reference import layer_norm
 from .autograd import add_norm_with, norm_with
 from .registry import REFERENCE, Backend, backends, register_backend, select, unregister_backend
 
 __all__ = ["info", "layer_norm", "rms_norm", "crms_norm", "add_rms_norm", "add_crms_norm", "row_scale", "backend_for",
-           "prepare",
+           "prepare", "decompositions", "portable",
            "register_backend", "unregister_backend", "backends", "Backend", "reload_environment", "reference"]
 
 # Backends, highest priority first where devices overlap. triton_kernels only claims CUDA tensors
@@ -63,10 +66,19 @@ def info() -> dict:
             "module_fast_path": registry.cpu_fast_path[0], "ln_route_max_numel": registry.LN_ROUTE_MAX_NUMEL}
 
 
-def prepare() -> None:
+def load_kernels() -> None:
     """Load (building if needed) the CPU kernel now rather than on the first call. torch.compile
     cannot load it while tracing, so normfold's nn modules call this when they are built."""
     cpu.library()
+
+
+def prepare() -> None:
+    """Deprecated name of `load_kernels` (it never prepared a model: that is `normfold.train.prepare`)."""
+    import warnings
+
+    warnings.warn("normfold.ops.prepare() is deprecated; use normfold.ops.load_kernels()", DeprecationWarning,
+                  stacklevel=2)
+    load_kernels()
 
 
 def reload_environment() -> None:
@@ -80,6 +92,19 @@ def _compiling() -> bool:
         return torch.compiler.is_compiling()
     except AttributeError:  # torch < 2.3
         return False
+
+
+def _exporting() -> bool:
+    try:
+        return torch.compiler.is_exporting()
+    except AttributeError:  # torch < 2.6: exports take the torch.compile path (custom ops, decomposable)
+        return False
+
+
+def decompositions() -> dict:
+    """ATen decompositions of normfold's custom ops, for `ExportedProgram.run_decompositions`
+    (see `normfold.ops.portable`)."""
+    return portable.decompositions()
 
 
 def backend_for(x: Tensor) -> str:
@@ -99,6 +124,8 @@ def _check_params(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> None
 def _norm(x: Tensor, weight, bias, eps: float, compressed: bool) -> Tensor:
     _check_params(x, weight, bias)
     compiling = _compiling()
+    if compiling and _exporting():
+        return portable.norm(x, weight, bias, eps, compressed)
     b = _select(x, compiling)
     if b is None:
         return (reference.crms_norm if compressed else reference.rms_norm)(x, weight, bias, eps)
@@ -110,6 +137,8 @@ def _norm(x: Tensor, weight, bias, eps: float, compressed: bool) -> Tensor:
 def _add_norm(x: Tensor, residual: Tensor, weight, bias, eps: float, compressed: bool) -> tuple[Tensor, Tensor]:
     _check_params(x, weight, bias)
     compiling = _compiling()
+    if compiling and _exporting():
+        return portable.add_norm(x, residual, weight, bias, eps, compressed)
     b = _select(x, compiling)
     # The fused kernels take equal shapes and dtypes; anything else (broadcasting, promotion) is
     # left to torch's own `+`.

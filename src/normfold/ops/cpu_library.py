@@ -8,6 +8,10 @@ inductor's code by 10-30% in float32 and 25-50% in bfloat16, even where inductor
 with the residual add before it or a GELU after it. So `torch.compile` sees these ops: opaque to
 inductor, with fake (shape-only) implementations for tracing and autograd formulas built on the
 backward op, so compiled training uses the same kernels.
+
+Exported graphs (`torch.export`, `torch.onnx.export(dynamo=True)`) do not get these ops: while
+exporting the dispatcher computes the norms in plain ATen (`normfold.ops.portable`), and the ops
+carry registered ATen decompositions for graphs that hold them anyway.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import cpu
+from . import cpu, portable
 
 _F32 = torch.float32
 
@@ -106,6 +110,8 @@ def _add_backward(ctx, ds, dy, _drstd):
 
 _norm.register_autograd(_norm_backward, setup_context=_setup_norm)
 _add_norm.register_autograd(_add_backward, setup_context=_setup_add)
+# ATen decompositions of the three ops (normfold.ops.portable): the ONNX exporter applies them itself.
+portable.register_decompositions()
 
 
 def norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, compressed: bool) -> Tensor:

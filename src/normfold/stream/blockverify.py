@@ -37,8 +37,8 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import CheckpointError, NormfoldError
-from ..verify import (CENTERED_OUTPUTS, ULP_FLOOR, WORKING_FACTOR, TensorDiff, _center, _eps, _worst,
-                      _zero_last, describe_inputs, diff_outputs, run_model, stored_weights_tolerance, stream_view,
+from ..verify import (CENTERED_OUTPUTS, ULP_FLOOR, WORKING_FACTOR, TensorDiff, center_last, dtype_eps, worst_of,
+                      is_zero_last, describe_inputs, diff_outputs, run_model, stored_weights_tolerance, stream_view,
                       top1_agreement)
 
 FP64 = torch.float64
@@ -53,24 +53,26 @@ class CheckpointReader:
     tensor out, so nothing stays mapped between units."""
 
     def __init__(self, directory: str | os.PathLike) -> None:
-        self.dir = Path(directory)
+        from ..checkpoint import ModelDir, read_weight_map
+
+        model_dir = ModelDir(directory)  # every file through the path policy: nothing read from outside
+        model_dir.check_all()
+        self.dir = model_dir.path
         self.files: dict[str, Path] = {}
-        indexes = sorted(self.dir.glob("*.safetensors.index.json"))
+        indexes = [n for n in model_dir.entries() if n.endswith(".safetensors.index.json")]
         if indexes:
             for index in indexes:
-                try:
-                    weight_map = json.loads(index.read_text())["weight_map"]
-                except (ValueError, KeyError, TypeError) as exc:
-                    raise CheckpointError(f"{index} is not a valid safetensors index: {exc}") from exc
-                for name, file in weight_map.items():
+                for name, file in read_weight_map(model_dir, index).items():
                     self.files.setdefault(name, self.dir / file)
         else:
             from safetensors import safe_open
 
-            for f in sorted(self.dir.glob("*.safetensors")):
-                with _checkpoint_errors(f), safe_open(str(f), "pt") as h:
-                    for name in h.keys():
-                        self.files.setdefault(name, f)
+            for n in model_dir.entries():
+                if n.endswith(".safetensors") and not n.startswith("."):
+                    f = model_dir.file(n)
+                    with _checkpoint_errors(f), safe_open(str(f), "pt") as h:
+                        for name in h.keys():
+                            self.files.setdefault(name, f)
         if not self.files:
             pickles = [p.name for p in self.dir.glob("*.bin")]
             extra = f" (it has {', '.join(pickles)}: re-save it as safetensors)" if pickles else ""
@@ -215,9 +217,9 @@ def _placeholder(shape, dtype: torch.dtype) -> nn.Parameter:
 
 def build_skeleton(directory: Path, structure=None) -> nn.Module:
     """The model class of `directory`'s config, parameters on meta, normfold's structure replayed."""
-    from ..io import _transformers, apply_structure, model_class
+    from ..io import transformers_module, apply_structure, model_class
 
-    transformers = _transformers()
+    transformers = transformers_module()
     try:
         config = transformers.AutoConfig.from_pretrained(directory)
     except (OSError, ValueError, KeyError) as exc:
@@ -482,11 +484,11 @@ def to_stream(h: Tensor, like: Tensor, center: bool) -> Tensor:
     if not center:
         return h.to(like.dtype)
     if like.shape[-1] + 1 == h.shape[-1]:
-        return _center(h)[..., :-1].to(like.dtype)
-    if like.shape == h.shape and h.shape[-1] > 1 and _zero_last(like) and not _zero_last(h):
-        c = _center(h)
+        return center_last(h)[..., :-1].to(like.dtype)
+    if like.shape == h.shape and h.shape[-1] > 1 and is_zero_last(like) and not is_zero_last(h):
+        c = center_last(h)
         return torch.cat([c[..., :-1], torch.zeros_like(c[..., -1:])], dim=-1).to(like.dtype)
-    return (_center(h) + like.double().mean(dim=-1, keepdim=True)).to(like.dtype)
+    return (center_last(h) + like.double().mean(dim=-1, keepdim=True)).to(like.dtype)
 
 
 def _block_diff(name: str, test, ref) -> TensorDiff:
@@ -494,7 +496,7 @@ def _block_diff(name: str, test, ref) -> TensorDiff:
     if t is None or r is None:
         return TensorDiff(name, float("inf"), float("inf"), 0.0)
     t, r = stream_view(t.double(), r.double())
-    return TensorDiff.of(name, _center(t), _center(r))
+    return TensorDiff.of(name, center_last(t), center_last(r))
 
 
 # ---- one streamed pass --------------------------------------------------------------------------------------
@@ -670,7 +672,7 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     forward kwargs (default: the adapter's example inputs for `seed`). `progress(message)` is called
     as each pass starts. `fp64_tol` defaults to compare_models' (`verify.stored_weights_tolerance` of
     the stored dtype)."""
-    from ..io import REPORT_FILE, read_report
+    from ..io import REPORT_FILE, inspect_converted
 
     original_dir, converted_dir = Path(original_dir), Path(converted_dir)
     for d in (original_dir, converted_dir):
@@ -678,7 +680,9 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
             raise CheckpointError(f"{d} is not a local model directory with config.json: block-wise verification "
                                   "reads local safetensors checkpoints. Download the model to a directory first, "
                                   "or verify in memory (`normfold verify --no-blockwise`).")
-    report = read_report(converted_dir) if (converted_dir / REPORT_FILE).is_file() else None
+    # a normfold checkpoint: path policy, report schema, and its structure against config.json and the
+    # weights' headers, all before anything is built (as normfold.load checks it)
+    report = inspect_converted(converted_dir)[0] if os.path.lexists(converted_dir / REPORT_FILE) else None
     if centered is None:
         centered = tuple(report.centered_outputs) if report is not None and report.centered_outputs else CENTERED_OUTPUTS
     say = progress or (lambda _msg: None)
@@ -726,7 +730,7 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     p_cw, conv_w = run(c_s, c_units, c_dtype, forced=ref, map_center=True)
 
     fp64, failed = _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered)
-    floor = tol if c_dtype == FP64 else ULP_FLOOR * _eps(c_dtype)
+    floor = tol if c_dtype == FP64 else ULP_FLOOR * dtype_eps(c_dtype)
     base = {d.name: d for d in diff_outputs(orig_w, exact, (), centered)}
     rows, working_ok = [], True
     for d in diff_outputs(conv_w, exact, (), centered):
@@ -736,7 +740,7 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
         rows.append({"name": d.name, "converted_rel_error": d.max_rel, "original_rel_error": b_rel, "ok": ok})
     wblocks = _working_blocks(ref, p_ow, p_cw, floor)
     direct = diff_outputs(conv_w, orig_w, (), centered)
-    worst_direct = _worst(direct)
+    worst_direct = worst_of(direct)
     sizes = {"original": _sizes(o_s, o_units), "converted": _sizes(c_s, c_units)}
     return {
         "passed": bool(working_ok and fp64["passed"]),
@@ -747,7 +751,7 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
         "working": {"passed": working_ok, "rule": f"err(converted) <= {WORKING_FACTOR:g} * err(original) + "
                     f"{ULP_FLOOR:g} ulp, errors against the original in float64", "outputs": rows,
                     "blocks": wblocks},
-        "baseline": {**_worst(list(base.values())), "what": "original in its dtype vs itself in float64"},
+        "baseline": {**worst_of(list(base.values())), "what": "original in its dtype vs itself in float64"},
         "inputs": describe_inputs(inputs),
         "blockwise": {"blocks": len(blocks), "failed_blocks": failed,
                       "peak_weight_bytes": ledger.peak, "loads": ledger.loads,
@@ -776,7 +780,7 @@ def _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered) -
             emb_rows.append({**asdict(d), "passed": d.max_rel <= tol})
     head_rows = [{**asdict(d), "passed": d.max_rel <= tol}
                  for d in diff_outputs(out_tail, exact, (), centered) if "hidden_states" not in d.name]
-    worst = _worst(d64)
+    worst = worst_of(d64)
     ok = worst["max_rel_error"] <= tol and not failed and all(r["passed"] for r in emb_rows + head_rows)
     return ({**worst, "tolerance": tol, "passed": ok, "outputs": [asdict(d) for d in d64],
              "blocks": block_rows, "embeddings": emb_rows, "heads": head_rows}, failed)
@@ -821,11 +825,11 @@ def _dt(dtype: torch.dtype) -> str:
 
 def _example_inputs(model: nn.Module, seed: int) -> dict:
     from ..adapters import find_adapter
-    from ..adapters.base import _default_inputs
+    from ..adapters.base import default_inputs
     from ..errors import UnsupportedModelError
 
     gen = torch.Generator().manual_seed(seed)
     try:
         return find_adapter(model).example_inputs(model, gen)
     except UnsupportedModelError:
-        return _default_inputs(model, gen)
+        return default_inputs(model, gen)

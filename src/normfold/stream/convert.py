@@ -11,7 +11,7 @@ Two passes over one plan, both with the in-memory conversion's own code (normfol
    `apply` looks at, whether a norm's β is all zero, is read from the checkpoint beforehand.
 2. *Values*, on a second meta model: the edits are grouped into components (edits that share a
    parameter: a norm with its readers, a writer alone, ...). Each component's parameters are read
-   from the checkpoint into real tensors, the same edit functions (`fold_scales`, `center_writer`,
+   from the checkpoint into real tensors, the same edit functions (`fold_scales`, `center_writer_at`,
    `swap_norm`) run on them in plan order, the results are written and the modules go back to meta.
    Every output tensor therefore goes through the exact roundings of the in-memory path: the files
    hold the same bytes as `normfold.convert` + `normfold.save` (tests/stream/test_stream_convert.py).
@@ -36,12 +36,13 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .. import io
+from .. import checkpoint, io
 from ..adapters import find_adapter
 from ..adapters.base import get, parent_and_leaf
 from ..algebra import layout_of
-from ..convert import (VARIANTS, ConvertOptions, _kept_norms, _will_fold, center_writer, centered_outputs,
-                       fold_scales, layernorm_names, swap_norm, untie, _edited_params)
+from ..options import ConvertOptions, resolve as resolve_options
+from ..convert import (VARIANTS, kept_norms, will_fold, center_writer_at, centered_outputs,
+                       fold_scales, layernorm_names, swap_norm, untie, edited_params)
 from ..errors import CheckpointError, NonFiniteWeightsError, NormfoldError
 from ..modelinfo import working_dtype
 from ..report import ConversionReport
@@ -76,23 +77,9 @@ class Source:
 
 
 def weight_files(source_dir: str | os.PathLike) -> tuple[list[Path], bool] | None:
-    """The safetensors weight files of a model directory (and whether sharded), or None."""
-    d = Path(source_dir)
-    if (d / INDEX).is_file():
-        try:
-            weight_map = json.loads((d / INDEX).read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{d / INDEX} is not a valid safetensors index: {exc}") from exc
-        names = list(dict.fromkeys(weight_map.values()))
-        for n in names:
-            if Path(n).name != n or not (d / n).is_file():
-                raise CheckpointError(f"{d / INDEX} names shard {n!r}, which is not a file in {d} (missing: the "
-                                      "download is incomplete, or a path outside the directory, which normfold "
-                                      "never reads); re-download the checkpoint")
-        return [d / n for n in sorted(names)], True
-    if (d / io.STOCK_WEIGHTS).is_file():
-        return [d / io.STOCK_WEIGHTS], False
-    return None
+    """The safetensors weight files of a model directory (and whether sharded), or None; every name
+    checked by the path policy (`normfold.checkpoint`)."""
+    return checkpoint.weight_files(checkpoint.ModelDir(source_dir), INDEX, io.STOCK_WEIGHTS)
 
 
 def open_source(source_dir: str | os.PathLike) -> Source:
@@ -121,7 +108,7 @@ def _checkpoint_dtype(source: Source) -> torch.dtype:
 def meta_model(source_dir: Path, dtype: torch.dtype) -> nn.Module:
     """The model class named by the config, built on the meta device (no memory, no init), tied as
     from_pretrained ties it, in eval mode."""
-    transformers = io._transformers()
+    transformers = io.transformers_module()
     config = transformers.AutoConfig.from_pretrained(source_dir)  # never trust_remote_code
     cls = io.model_class(config)
     with torch.device("meta"):
@@ -221,7 +208,7 @@ def plan_edits(model: nn.Module, plan, options: ConvertOptions) -> list[Edit]:
         for path in stream.writers:
             edits.append(Edit("center", path, [path], _param_names(model, path)))
         for site in stream.norms:
-            paths = [site.path] + (list(site.readers) if _will_fold(site, options) else [])
+            paths = [site.path] + (list(site.readers) if will_fold(site, options) else [])
             edits.append(Edit("swap", site, paths, [n for p in paths for n in _param_names(model, p)]))
     return edits
 
@@ -353,13 +340,13 @@ class Computer:
         if kind == "scale":
             fold_scales(self.model, [e.arg for e in batch])
         elif kind == "center":
-            center_writer(self.model, batch[0].arg)
+            center_writer_at(self.model, batch[0].arg)
         else:
-            swap_norm(self.model, batch[0].arg, _will_fold(batch[0].arg, self.options), self.options)
+            swap_norm(self.model, batch[0].arg, will_fold(batch[0].arg, self.options), self.options)
 
     def _chunked(self, comp: Component) -> bool:
         """A lone big writer whose output axis is its last (embedding tables, Conv1D): centre it in row
-        chunks, in place, through the same `center_writer`."""
+        chunks, in place, through the same `center_writer_at`."""
         if len(comp.edits) != 1 or comp.edits[0].kind != "center":
             return False
         obj = get(self.model, comp.edits[0].arg)
@@ -437,24 +424,29 @@ def _batches(edits: list[Edit]) -> list[list[Edit]]:
 
 # ---- the entry point ----------------------------------------------------------------------------------------
 
-def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *, to: str = "rmsnorm",
-                   keep_affine: bool = False, fold_final: bool = False, allow_new_bias: bool = False,
+def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *, to: str | None = None,
+                   options: ConvertOptions | None = None, keep_affine: bool | None = None,
+                   fold_final: bool | None = None, allow_new_bias: bool | None = None, pad: bool | None = None,
                    progress: Progress | None = None) -> ConversionReport:
     """Convert the safetensors checkpoint in `source_dir` into `out_dir` (an existing empty directory)
     shard by shard. Writes the weights (sharded like the source when it is stock-reloadable, else one
     normfold_model.safetensors), config.json, the tokenizer/generation files and normfold.json.
-    Verification is not run here (the report says so); see `normfold.stream.cli._verify_streamed`."""
+    Verification is not run here (the report says so); see `normfold.cli.convert_stream.verify_streamed`."""
+    options = resolve_options(options, "stream_convert", to=to, keep_affine=keep_affine, fold_final=fold_final,
+                              allow_new_bias=allow_new_bias, pad=pad)
+    options = options.replace(keep_affine=bool(options.keep_affine))
+    to = options.to
     say = progress or (lambda msg: None)
-    if to != "rmsnorm":
+    if to != "rmsnorm" or options.pad or options.variant_options:
         raise StreamUnsupportedError(f"streaming converts --to rmsnorm only; --to {to} needs the in-memory "
                                      "conversion (--stream never, or normfold.convert)")
     out = Path(out_dir)
     if not out.is_dir() or any(out.iterdir()):
         raise NormfoldError(f"{out} must be an existing empty directory")
     t0 = time.perf_counter()
+    checkpoint.ModelDir(source_dir).check_all()  # config, weights, tokenizer files: nothing from outside
     source = open_source(source_dir)
     dtype = _checkpoint_dtype(source)
-    options = ConvertOptions(keep_affine=keep_affine, fold_final=fold_final, allow_new_bias=allow_new_bias)
 
     original = meta_model(source.path, dtype)
     names = source_names(original, source)
@@ -465,7 +457,7 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     say(f"{type(original).__name__}, {dtype}, {len(source.shards)} shard(s), adapter {adapter.display_name}")
 
     # pass 1: the structure and the report, by the variant's own apply, on meta tensors
-    from ..compress.sizes import measure, size_report
+    from ..sizes import measure, size_report
 
     structure_model = copy.deepcopy(original)
     report = ConversionReport(variant=to, adapter=adapter.name, architecture=type(original).__name__,
@@ -478,7 +470,7 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         VARIANTS[to].apply(structure_model, plan, options, report)
     structure_model.eval()
     report.size = size_report(before, structure_model)
-    report.kept = _kept_norms(original, plan, {r.name for r in report.structure.norms})
+    report.kept = kept_norms(original, plan, {r.name for r in report.structure.norms})
     report.source = {"model": str(source_dir), "architecture": type(original).__name__,
                      "model_type": getattr(original.config, "model_type", None), "path": str(source_dir)}
     report.notes.append("converted shard by shard from the safetensors files (normfold.stream)")
@@ -486,7 +478,7 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
 
     # pass 2: values, component by component, on the untransformed meta model
     values_model = copy.deepcopy(original)
-    untie(values_model, _edited_params(values_model, plan, options))
+    untie(values_model, edited_params(values_model, plan, options))
     comps = components(plan_edits(values_model, plan, options))
     owner = _owners(comps, outputs)
     computer = Computer(values_model, plan, options, source, names)
@@ -494,6 +486,7 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     written = _write(out, files, outputs, owner, comps, computer, names, source, say)
 
     _write_aux(out, structure_model, source.path, report, written)
+    report.weight_files = written["digests"]
     report.seconds["convert"] = round(time.perf_counter() - t0, 3)
     report.verification = pending_verification(report.dtype)
     (out / io.REPORT_FILE).write_text(report.to_json() + "\n")
@@ -561,17 +554,19 @@ def _write(out: Path, files, outputs, owner, comps, computer: Computer, names, s
     """Write each output file: header first, then every tensor at its offset; a component is computed when
     its first output comes up and its other outputs wait in `pending` (same file, see _assign_files)."""
     weight_map = {}
+    digests: dict[str, dict] = {}
     pending: dict[str, torch.Tensor] = {}
     total = 0
     for fname, tensors in files.items():
         by_name = {o.name: o for o in tensors}
         header, placed = st.layout({o.name: (st.ST_DTYPES[o.dtype], o.shape) for o in tensors}, METADATA)
         say(f"writing {fname} ({len(tensors)} tensors)")
-        fd = os.open(out / fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        raw_fd = os.open(out / fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        fd = checkpoint.HashingSink(raw_fd, out / fname)  # SHA-256 while writing (tamper evidence)
         try:
-            st._write_all(fd, header, 0)
+            st.write_all(fd, header, 0)
             base = len(header)
-            _preallocate(fd, base + sum(n for _, _, n in placed))
+            _preallocate(raw_fd, base + sum(n for _, _, n in placed))
             for name, offset, nbytes in placed:
                 o = by_name[name]
                 if o.fill is not None:
@@ -593,11 +588,12 @@ def _write(out: Path, files, outputs, owner, comps, computer: Computer, names, s
                                   check=_finite_check(o.dtype, names[name]))
                 weight_map[name] = fname
                 total += nbytes
+            digests[fname] = {"sha256": fd.hexdigest(), "bytes": os.fstat(raw_fd).st_size}
         finally:
-            os.close(fd)
+            os.close(raw_fd)
     if pending:
         raise NormfoldError(f"internal: computed tensors never written: {sorted(pending)[:5]}")
-    return {"files": list(files), "weight_map": weight_map, "total_size": total}
+    return {"files": list(files), "weight_map": weight_map, "total_size": total, "digests": digests}
 
 
 def _preallocate(fd: int, size: int) -> None:
@@ -621,7 +617,6 @@ def _write_aux(out: Path, model: nn.Module, source_dir: Path, report, written: d
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).__name__]
     config.save_pretrained(out)
-    for f in source_dir.iterdir():
-        if f.is_file() and io._AUXILIARY.fullmatch(f.name):
-            shutil.copy2(f, out / f.name)
-    io._apply_umask(out)
+    for f in checkpoint.ModelDir(source_dir).auxiliary_files():  # checked: nothing from outside the source
+        shutil.copy2(f, out / f.name)
+    io.apply_umask(out)

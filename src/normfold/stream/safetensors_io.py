@@ -22,16 +22,7 @@ import torch
 
 from ..errors import CheckpointError
 
-TORCH_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-ST_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}
-# safetensors' Rust `Dtype` declaration order; files list tensors by descending rank, then by name.
-_RANK = {name: i for i, name in enumerate(
-    ["BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16", "F16",
-     "BF16", "I32", "U32", "F32", "F64", "I64", "U64"])}
+from ..checkpoint.writer import ST_DTYPES, TORCH_DTYPES, layout, write_all  # noqa: F401 (re-exported)
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 CHUNK = 8 * 1024 * 1024
 
@@ -50,7 +41,11 @@ class TensorInfo:
 
 
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict]:
-    """{name: TensorInfo} and the __metadata__ of one safetensors file."""
+    """{name: TensorInfo} and the __metadata__ of one safetensors file, its header validated first by
+    `checkpoint_guard.read_safetensors_header` (sizes, offsets, overlaps, dtypes: one set of checks)."""
+    from ..checkpoint_guard import read_safetensors_header
+
+    read_safetensors_header(Path(path))
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -94,23 +89,6 @@ def read_tensor(info: TensorInfo) -> torch.Tensor:
     return raw.view(TORCH_DTYPES[info.dtype]).reshape(info.shape)
 
 
-def layout(entries: dict[str, tuple[str, tuple[int, ...]]], metadata: dict[str, str]) -> tuple[bytes, list]:
-    """(header bytes incl. the length prefix, [(name, offset, nbytes)] in file order) for tensors
-    {name: (st dtype, shape)}, ordered and padded as safetensors' serializer does."""
-    order = sorted(entries, key=lambda k: (-_RANK[entries[k][0]], k))
-    header: dict = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
-    placed, offset = [], 0
-    for name in order:
-        dtype, shape = entries[name]
-        n = _numel(shape) * torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
-        placed.append((name, offset, n))
-        offset += n
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * ((8 - len(text) % 8) % 8)
-    return struct.pack("<Q", len(text)) + text, placed
-
-
 def _numel(shape) -> int:
     n = 1
     for s in shape:
@@ -152,12 +130,8 @@ def write_tensor(out_fd: int, tensor: torch.Tensor, offset: int) -> None:
     t = tensor.detach().contiguous()
     if t.numel() == 0:
         return
-    data = memoryview(t.view(torch.uint8).reshape(-1).numpy())
+    data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
     _write_all(out_fd, data, offset)
 
 
-def _write_all(fd: int, data, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:done + CHUNK], offset + done)
+_write_all = write_all

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +36,7 @@ from .. import algebra, ops
 from ..adapters import Adapter, ConversionPlan, NormSite, find_adapter
 from ..adapters.base import get
 from ..errors import UnsupportedConversionError, UnsupportedModelError
+from ..options import ConvertOptions, resolve as resolve_options
 from . import functional as F
 
 TARGETS = ("rmsnorm", "crmsnorm")
@@ -357,7 +359,8 @@ def _linear_reader_bias(reader: nn.Module) -> Tensor | None:
     return getattr(reader, lay.bias, None) if lay.bias else None
 
 
-def prepare(model: nn.Module, to: str = "rmsnorm", *, fold: bool | None = None, fold_final: bool = False,
+def prepare(model: nn.Module, to: str | None = None, *, options: ConvertOptions | None = None,
+            keep_affine: bool | None = None, fold: bool | None = None, fold_final: bool | None = None,
             cache: bool = True, adapter: Adapter | None = None, inputs: dict | None = None,
             dropout: str = "exact", check: bool = True) -> nn.Module:
     """Make `model` (a Pre-LN model) compute as Pre-RMSNorm (`to="rmsnorm"`) or Pre-CRMSNorm
@@ -365,11 +368,13 @@ def prepare(model: nn.Module, to: str = "rmsnorm", *, fold: bool | None = None, 
     `model`. Parameters, their names, `state_dict()` keys and module types seen by optimizers and
     checkpoints are unchanged.
 
-    fold: fold each norm's γ/β into its linear readers where `normfold.convert` would (False: keep
-        them in the norm). Default: False for rmsnorm — in training φ is recomputed every step, and
-        folding costs a pass over every reader's weight (and its VJP) while the affine inside the
-        norm kernel is nearly free; True for crmsnorm, whose compressed readers need the fold.
-        fold_final: also fold the final norm (as with `convert(fold_final=True)`).
+    options / keywords: a `normfold.ConvertOptions` or its fields `to`, `keep_affine`, `fold_final`.
+    keep_affine: keep each norm's γ/β in the norm (True) or fold them into its linear readers where
+        `normfold.convert` would (False). `fold=` is the deprecated spelling (fold = not keep_affine).
+        Default: keep for rmsnorm — in training φ is recomputed every step, and folding costs a pass over
+        every reader's weight (and its VJP) while the affine inside the norm kernel is nearly free; fold
+        for crmsnorm, whose compressed readers need the fold.
+    fold_final: also fold the final norm (as with `convert(fold_final=True)`).
     cache: compute φ once per θ version (once per optimizer step) in eager mode; under
         torch.compile φ is traced into the compiled graph instead.
     inputs: example forward kwargs, used to locate element-wise dropouts on the stream (default:
@@ -381,12 +386,22 @@ def prepare(model: nn.Module, to: str = "rmsnorm", *, fold: bool | None = None, 
     check: run the example inputs once in eval mode and refuse (UnsupportedConversionError, model left
         unprepared) if some norm's input is not zero-mean, i.e. φ did not reach a writer.
     """
+    if fold is not None:  # the old spelling, with the opposite sense
+        warnings.warn("train.prepare(fold=...) is deprecated; use keep_affine=... (keep_affine = not fold)",
+                      DeprecationWarning, stacklevel=2)
+        if keep_affine is None:
+            keep_affine = not fold
+    options = resolve_options(options, "train.prepare", to=to, keep_affine=keep_affine, fold_final=fold_final)
+    to, fold_final = options.to, options.fold_final
+    if options.pad or options.allow_new_bias or options.variant_options:
+        raise UnsupportedConversionError("train.prepare takes to, keep_affine and fold_final; pad, allow_new_bias and "
+                                         "variant options have no training form")
     if to not in TARGETS:
         raise UnsupportedConversionError(f"prepare(to={to!r}): choose one of {', '.join(TARGETS)}")
+    # the training default keeps γ/β in the norm for rmsnorm and folds them for crmsnorm (docs/python-api.md)
+    fold = (to == "crmsnorm") if options.keep_affine is None else not options.keep_affine
     if is_prepared(model):
         raise UnsupportedConversionError("model is already prepared; call normfold.train.restore(model) first")
-    if fold is None:
-        fold = to == "crmsnorm"
     adapter = _adapter_for(model, adapter, inputs)
     if adapter.check is not None:
         adapter.check(model)

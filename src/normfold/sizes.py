@@ -1,4 +1,5 @@
-"""Parameter count and residual-stream width of a model before and after a conversion (normfold.json `size`)."""
+"""Parameter count and residual-stream width of a model before and after a conversion (normfold.json `size`;
+the report layer: convert, stream and compress all fill it)."""
 
 from __future__ import annotations
 

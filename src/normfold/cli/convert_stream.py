@@ -19,7 +19,7 @@ from pathlib import Path
 from .. import checkpoint_guard as guard
 from .. import io
 from ..errors import NormfoldError, OutputExistsError, VerificationFailedError
-from .convert import PENDING, StreamUnsupportedError, open_source, stream_convert, weight_files
+from ..stream.convert import PENDING, StreamUnsupportedError, open_source, stream_convert, weight_files
 
 AUTO_BYTES = 2 * 1024**3  # stream above this size (or a third of the available memory, if less)
 VERIFY_IN_MEMORY_BYTES = 256 * 1024**2  # verify streamed outputs in memory up to this source size
@@ -51,7 +51,9 @@ def blockers(args) -> list[str]:
     if args.to != "rmsnorm":
         why.append(f"--to {args.to} (streaming converts --to rmsnorm only)")
     for flag, on in (("--inputs", getattr(args, "inputs", None)), ("--text", args.text), ("--auto", args.auto),
-                     ("--option", args.option), ("--pad", args.pad), ("--dry-run", args.dry_run)):
+                     ("--option", args.option), ("--pad", args.pad), ("--dry-run", args.dry_run),
+                     ("--rotate", getattr(args, "rotate", None)),
+                     ("--rotate-online", getattr(args, "rotate_online", False))):
         if on:
             why.append(f"{flag} needs the in-memory model")
     if args.dtype not in ("auto", None):
@@ -84,7 +86,7 @@ def maybe_stream(args, summarize=None) -> int | None:
 
 
 def run_streamed(args, source_dir: Path, summarize=None) -> int:
-    from ..cli.ui import Steps
+    from .ui import Steps
 
     guard.check_remote_code(source_dir / "config.json", getattr(args, "trust_remote_code", False))
     guard.inspect_checkpoint(source_dir)  # broken or hostile files end here, before any work
@@ -97,7 +99,7 @@ def run_streamed(args, source_dir: Path, summarize=None) -> int:
                                     fold_final=args.fold_final, allow_new_bias=args.allow_new_bias,
                                     progress=steps.note)
             steps.start("verify", "verifying")
-            _verify_streamed(source_dir, tmp, report, fp64_tol=args.fp64_tol, seed=args.seed,
+            verify_streamed(source_dir, tmp, report, fp64_tol=args.fp64_tol, seed=args.seed,
                              fold_final=args.fold_final, keep_affine=args.keep_affine,
                              allow_new_bias=args.allow_new_bias, progress=steps.note)
             v = report.verification
@@ -161,7 +163,7 @@ def staged(out: Path, force: bool):
         shutil.rmtree(backup, ignore_errors=True)
 
 
-def _verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float = 1e-9, seed: int = 0,
+def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float = 1e-9, seed: int = 0,
                      fold_final: bool = False, keep_affine: bool = False, allow_new_bias: bool = False,
                      progress=None) -> None:
     """Verify a streamed output: sources up to VERIFY_IN_MEMORY_BYTES in memory exactly as `normfold convert`
@@ -170,13 +172,14 @@ def _verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float
     import torch
 
     from ..adapters import find_adapter
-    from ..convert import VARIANTS, ConvertOptions, centered_outputs
+    from ..convert import VARIANTS, centered_outputs
+    from ..options import ConvertOptions
     from ..report import ConversionReport
     from ..verify import verify_conversion
 
     if open_source(source_dir).total_bytes > VERIFY_IN_MEMORY_BYTES:
         # too big to hold twice: block by block, each converted block on the original's hidden states
-        from .blockverify import verify_blockwise
+        from ..stream.blockverify import verify_blockwise
 
         (Path(out_dir) / io.REPORT_FILE).write_text(report.to_json() + "\n")  # its structure is replayed
         # the stored (rounded) weights run in float64, so the tolerance is `normfold verify`'s

@@ -1,0 +1,96 @@
+"""Orthogonal rotations of a zero-mean residual stream (SliceGPT's computational invariance, QuaRot).
+
+Row convention (a token is a row x ∈ ℝ^d, the stream is x·Q after rotation). Q is orthogonal and fixes
+the all-ones direction, 1·Q = 1. Then also Q·1ᵀ = 1ᵀ (transpose 1·Q = 1 to Qᵀ1ᵀ = 1ᵀ and multiply by
+Q), so a zero-mean stream stays zero-mean (xQ·1ᵀ = x·1ᵀ = 0), and RMSNorm without γ commutes with Q:
+RMSNorm(xQ) = RMSNorm(x)·Q since ‖xQ‖ = ‖x‖.
+
+Construction. Any orthogonal M (a randomized Hadamard H·D/√d, or a seeded random orthogonal matrix)
+maps u = 1/√d to the unit row v = u·M. The Householder reflection R = I − 2wwᵀ/(wᵀw), w = v − u, maps
+v to u (‖v‖ = ‖u‖), so Q = M·R is orthogonal and u·Q = v·R = u. R only changes x along w, a direction
+with entries of size ~1/√d: M's spreading of outlier channels is kept.
+
+Every stream tensor is rotated the same way, along its stream axis: t ← t·Q there. For a writer
+y = x·B (B: in × out, out = stream) that is B·Q; for a reader y = x·A (A: in × out, in = stream) on
+the rotated input xQ, Qᵀ·A; torch's Linear stores Aᵀ (out × in), whose stream axis is the last, so
+Aᵀ ← Aᵀ·Q — again t·Q along the stream axis. Float64 inside, one rounding at the end.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..ops.hadamard import hadamard_factor, hadamard_matrix  # noqa: F401  (re-exported)
+
+KINDS = ("hadamard", "orthogonal")
+
+
+def has_hadamard(d: int) -> bool:
+    return hadamard_factor(d) is not None
+
+
+def random_signs(d: int, seed: int) -> Tensor:
+    g = torch.Generator().manual_seed(int(seed))
+    return torch.randint(0, 2, (d,), generator=g).to(torch.float64) * 2 - 1
+
+
+def random_orthogonal(d: int, seed: int) -> Tensor:
+    """A Haar-random orthogonal d×d matrix (QR of a Gaussian with R's diagonal made positive), seeded."""
+    g = torch.Generator().manual_seed(int(seed))
+    a = torch.randn(d, d, generator=g, dtype=torch.float64)
+    q, r = torch.linalg.qr(a)
+    return q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(d, dtype=torch.float64))
+
+
+def fix_ones(m: Tensor) -> Tensor:
+    """Q = M·R with R the Householder reflection taking u·M to u (u = 1/√d): orthogonal, 1·Q = 1."""
+    m = m.to(torch.float64)
+    d = m.shape[0]
+    u = torch.full((d,), 1.0 / math.sqrt(d), dtype=torch.float64)
+    w = u @ m - u
+    nw = float(w @ w)
+    if nw < 1e-30:
+        return m.clone()
+    return m - (2.0 / nw) * torch.outer(m @ w, w)  # M(I − 2wwᵀ/‖w‖²)
+
+
+def rotation_matrix(kind: str, d: int, seed: int = 0) -> tuple[Tensor, str]:
+    """(Q, construction) for a stream of width d: float64, orthogonal, 1·Q = 1.
+
+    kind 'hadamard': the randomized Hadamard H·diag(s)/√d (s seeded ±1) where d has a construction
+    (`hadamard_matrix`), else the seeded random orthogonal matrix (construction says which was used).
+    kind 'orthogonal': the seeded random orthogonal matrix."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown rotation {kind!r}; choose one of {', '.join(KINDS)}")
+    if kind == "hadamard" and has_hadamard(d):
+        m = hadamard_matrix(d) * random_signs(d, seed) / math.sqrt(d)
+        used = "hadamard"
+    else:
+        m = random_orthogonal(d, seed)
+        used = "orthogonal"
+    return fix_ones(m), used
+
+
+def rotate_axis(t: Tensor, q: Tensor, dim: int) -> Tensor:
+    """t with its axis `dim` (the stream axis, length d) multiplied by Q: t ← t·Q along that axis.
+    Float64 inside, cast back to t's dtype once. Serves writers (output axis), tables, stream
+    parameters, readers (input axis) and a norm's bias alike (see the module docstring)."""
+    t64 = t.detach().to(torch.float64).movedim(dim, -1)
+    if t64.shape[-1] != q.shape[0]:
+        raise ValueError(f"axis {dim} of a {tuple(t.shape)} tensor has length {t64.shape[-1]}, the rotation "
+                         f"{q.shape[0]}")
+    return (t64 @ q.to(torch.float64)).movedim(-1, dim).to(t.dtype).contiguous()
+
+
+def unfold_gamma_bias(beta: Tensor | None, gamma: Tensor) -> Tensor | None:
+    """The bias a γ-free norm keeps when γ moves into its readers but β cannot (no reader bias):
+    γ⊙n + β = (n + β/γ)⊙γ, and ⊙γ folds into the readers. Requires every γ_i ≠ 0."""
+    if beta is None:
+        return None
+    g = gamma.detach().to(torch.float64)
+    if bool((g == 0).any()):
+        raise ValueError("γ has zero entries; β/γ is undefined")
+    return (beta.detach().to(torch.float64) / g).to(beta.dtype)

@@ -1,0 +1,133 @@
+"""Automatic conversion plans: any LayerNorm model converts, with or without a hand-written adapter.
+
+    adapter, analysis = normfold.analysis.autoplan.resolve(model)            # registered adapter, else derived
+    converted, report = normfold.convert(model)                      # the same, inside convert()
+    converted, report = normfold.convert(model, auto=True)           # the derived plan even with an adapter
+
+A model whose family has a registered adapter uses it. Otherwise the plan comes from the analysis
+(`normfold.analyze`): the model is traced on inputs made from its config's modality (token ids, pixel
+values, audio features; `inputs=` or `normfold convert --inputs FILE.safetensors` to choose them),
+every foldable LayerNorm is converted, the others are kept with the analysis' reason, and the result
+is verified exactly as an adapter's conversion is (float64 and working dtype).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..adapters import Adapter, find_adapter
+from ..errors import NormfoldError, UnsupportedModelError
+
+
+def modality_inputs(model: nn.Module, seed: int = 0) -> dict:
+    """Trace/verification inputs built from the model's config (no adapter consulted): token ids for
+    text models, pixel values at the config's image size for vision models, log-mel features for audio
+    models; plus a fixed `noise` for models that draw random masks in forward (ViTMAE), so the original
+    and the converted model see the same mask."""
+    from .trace import forward_params, generic_inputs
+
+    g = torch.Generator().manual_seed(seed)
+    inputs = generic_inputs(model, g)
+    params = forward_params(model)
+    cfg = getattr(model, "config", None)
+    if "noise" in params and "pixel_values" in inputs and hasattr(cfg, "mask_ratio"):
+        px = inputs["pixel_values"]
+        patch = getattr(cfg, "patch_size", 16)
+        ph, pw = (patch, patch) if isinstance(patch, int) else tuple(patch)
+        n = (px.shape[-2] // ph) * (px.shape[-1] // pw)
+        inputs["noise"] = torch.rand(px.shape[0], n, generator=g)
+    return inputs
+
+
+def load_inputs(path: str | os.PathLike) -> dict:
+    """Forward keyword arguments from a safetensors file (tensor name = argument name)."""
+    from safetensors.torch import load_file
+
+    if not os.path.isfile(path):
+        raise NormfoldError(f"--inputs: no such file {path}")
+    try:
+        inputs = load_file(os.fspath(path))
+    except Exception as exc:
+        raise NormfoldError(f"--inputs: {path} is not a safetensors file ({exc})") from exc
+    if not inputs:
+        raise NormfoldError(f"--inputs: {path} holds no tensors")
+    return dict(inputs)
+
+
+def derive_adapter(model: nn.Module, inputs: dict | None = None, *, seed: int = 0,
+                   progress: Callable[[str], None] | None = None, **analyze_options):
+    """(Adapter, AnalysisReport): the plan `normfold.analyze` derives for `model`, traced on `inputs`
+    (default: `modality_inputs`). Raises UnsupportedModelError when no LayerNorm can be converted."""
+    from . import analyze
+    from .trace import as_kwargs
+
+    say = progress or (lambda msg: None)
+    if inputs is None:
+        inputs = modality_inputs(model, seed)
+    inputs = as_kwargs(model, inputs)
+    # As normfold.verify runs the model (hidden states are outputs too); example_inputs adds these.
+    extra = {k: v for k, v in _verify_flags(model).items() if k not in inputs}
+    say(f"no adapter for {type(model).__name__}: deriving the plan from the analysis")
+    inputs = {**inputs, **extra}
+    report = analyze(model, inputs, progress=say, **analyze_options)
+    if "recenter" not in analyze_options and len(report.foldable) < report.total:
+        # An explicit Recenter after a module whose output joins the stream (BLOOM's embedding norm) may
+        # fold more norms; worth it only then, since such checkpoints are not stock-reloadable.
+        graph = getattr(report, "graph", None)
+        alt = analyze(model, inputs, recenter=True, graph=graph, **analyze_options)
+        if len([n for n in alt.foldable if n.module]) > len([n for n in report.foldable if n.module]):
+            report = alt
+    modules = [n for n in report.norms if n.module]
+    if not any(n.foldable for n in modules):
+        why = "; ".join(f"{n.name}: {n.reason}" for n in modules[:3]) or "it has no LayerNorm module"
+        raise UnsupportedModelError(
+            f"no LayerNorm of {type(model).__name__} can be converted (the analysis found 0 of {len(modules)} "
+            f"foldable: {why}). See `normfold analyze MODEL` for every reason.")
+    adapter = report.to_adapter()
+    return replace(adapter, display_name=f"derived from the analysis of {report.architecture}"), report
+
+
+def _verify_flags(model: nn.Module) -> dict:
+    from .trace import forward_params
+    from ..forward import accepts
+
+    flags = {}
+    if "use_cache" in forward_params(model):
+        flags["use_cache"] = False
+    if accepts(model, "output_hidden_states"):
+        flags["output_hidden_states"] = True
+    return flags
+
+
+def resolve(model: nn.Module, *, auto: bool = False, inputs: dict | None = None, seed: int = 0,
+            progress: Callable[[str], None] | None = None):
+    """(Adapter, AnalysisReport | None): the registered adapter for `model`, or with `auto=True` or when
+    none is registered, the plan derived from the analysis (see `derive_adapter`)."""
+    if not auto:
+        try:
+            return find_adapter(model), None
+        except UnsupportedModelError:
+            pass
+    return derive_adapter(model, inputs, seed=seed, progress=progress)
+
+
+def describe(report) -> list[str]:
+    """One line per LayerNorm of a derived plan: converted (and where its affine goes) or kept and why."""
+    lines = []
+    for n in report.norms:
+        if not n.module:
+            continue
+        if n.foldable:
+            where = ("affine folded into " + ", ".join(n.readers[:3]) + (" ..." if len(n.readers) > 3 else "")
+                     if n.affine_foldable and not n.final else "affine kept in the norm")
+            if n.beta_cancels and n.affine_foldable and not n.final:
+                where += f"; β's term in bias-free {', '.join(n.beta_cancels)} dropped (it cancels in the softmax)"
+            lines.append(f"converted: {n.name} ({where})")
+        else:
+            lines.append(f"kept: {n.name}: {n.reason}")
+    return lines

@@ -1,0 +1,205 @@
+"""`normfold export DIR --onnx OUT.onnx`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from .ui import Steps, sci, table
+
+DESCRIPTION = """\
+Export a converted checkpoint (a directory written by `normfold convert`, or any Hugging Face model
+directory) to ONNX with torch's dynamo exporter, run the result once in onnxruntime on the same
+inputs as the PyTorch model, and report the error like `normfold verify` does.
+
+The norms are written as the standard RMSNormalization op at opset 23 and newer, and as their
+decomposition (ReduceMean / Sqrt / Reciprocal / Mul) at opsets 18 to 22; the compressed CRMSNorm
+has no standard op and is always decomposed. Opsets below 18 are refused: torch's exporter writes
+opset 18 or newer. Batch and sequence axes are dynamic where the exporter can make them so.
+
+--original exports the source model too (OUT with `-original` before the suffix) and compares both
+ONNX models with the original PyTorch model: the deployed conversion against what it replaces.
+--optimize applies onnxruntime's transformer optimizer (attention and norm fusions) to the file.
+"""
+
+EPILOG = """\
+examples:
+  normfold convert ./my-gpt2 --out ./gpt2-rms
+  normfold export ./gpt2-rms --onnx gpt2-rms.onnx                  opset 23: RMSNormalization
+  normfold export ./gpt2-rms --onnx gpt2-rms.onnx --opset 18       decomposed norms (older runtimes)
+  normfold export ./gpt2-rms --onnx gpt2-rms.onnx --original ./my-gpt2 --optimize
+
+exit codes: 0 ok, 1 the ONNX model's outputs differ from PyTorch's beyond tolerance,
+            2 bad input (missing onnx packages, an opset that cannot express the model; nothing written)
+"""
+
+# ONNX against the PyTorch model it was exported from, relative to the largest output value
+# (measured: ~1e-6 in float32, onnxruntime's kernels round differently from torch's).
+TOLERANCE = {"float32": 1e-4, "float64": 1e-9, "bfloat16": 3e-2, "float16": 1e-2}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("export", help="export a converted model to ONNX and check it in onnxruntime",
+                       description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="DIR", help="converted checkpoint (normfold convert --out) or model directory")
+    p.add_argument("--onnx", required=True, metavar="OUT", help="the ONNX file to write")
+    p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 23: the first with RMSNormalization)")
+    p.add_argument("--original", nargs="?", const="", default=None, metavar="MODEL",
+                   help="also export the source model (default: the `source` in DIR's normfold.json) and "
+                        "compare both ONNX models with it")
+    p.add_argument("--optimize", action="store_true", help="apply onnxruntime's transformer optimizer to the file(s)")
+    p.add_argument("--static", action="store_true", help="fixed input shapes (default: dynamic batch and sequence)")
+    p.add_argument("--text", help="check on this text (the model's tokenizer) instead of random inputs")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(run=run)
+
+
+def _inputs(model, args, model_dir):
+    import torch
+
+    from ..unified.fuse import example_inputs
+    from .convert_cmd import text_inputs
+
+    if args.text:
+        return text_inputs(model_dir, args.text)
+    return example_inputs(model, torch.Generator().manual_seed(args.seed))
+
+
+def _load(path):
+    from pathlib import Path
+
+    from .. import io
+
+    if (Path(path) / io.REPORT_FILE).is_file():
+        model = io.load(path)
+        return model, model.normfold_report
+    model, _ = io.load_source(path)
+    return model, None
+
+
+def _export_checked(model, inputs, out, args, steps, label):
+    """Export `model` to `out` (atomically), optionally optimize, run in onnxruntime; returns
+    (export info, ONNX outputs, PyTorch outputs)."""
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from .. import deploy
+    from ..verify import flatten_outputs
+
+    out = Path(out)
+    steps.start(f"export-{label}", f"exporting {label} to {out} (opset {args.opset})")
+    tmp = Path(tempfile.mkdtemp(prefix=".normfold-export-", dir=out.parent))
+    try:
+        info = deploy.export_onnx(model, inputs, tmp / out.name, opset=args.opset, dynamic=not args.static)
+        if info.note:
+            steps.note(info.note)
+        if args.optimize:
+            kind = deploy.optimize(tmp / out.name, tmp / ("opt-" + out.name), getattr(model, "config", None))
+            os.replace(tmp / ("opt-" + out.name), tmp / out.name)
+            info.op_counts = deploy.op_counts(tmp / out.name)
+            steps.note(f"onnxruntime transformer optimizer applied (model type {kind})")
+        steps.start(f"run-{label}", f"running {label} in onnxruntime and in PyTorch")
+        got = deploy.run_onnx(tmp / out.name, info, inputs)
+        with torch.no_grad():
+            want = flatten_outputs(model(**inputs, **deploy.call_kwargs(model)))
+        for f in tmp.iterdir():  # the model and its external data file, if any
+            os.replace(f, out.parent / f.name)
+        info.path = out
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return info, got, want
+
+
+def _diff(got, want, centered):
+    from ..verify import diff_outputs, top1_agreement
+
+    diffs = diff_outputs(got, want, centered=centered)
+    return {"max_abs_error": max((d.max_abs for d in diffs), default=0.0),
+            "max_rel_error": max((d.max_rel for d in diffs), default=0.0),
+            "top1_agreement": top1_agreement(got, want),
+            "outputs": [{"name": d.name, "max_abs": d.max_abs, "max_rel": d.max_rel} for d in diffs]}
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from .. import deploy
+    from ..errors import NormfoldError, OutputExistsError
+    from ..modelinfo import working_dtype
+    from ..verify import CENTERED_OUTPUTS
+
+    deploy.require_onnx()
+    args.opset = deploy.DEFAULT_OPSET if args.opset is None else args.opset
+    deploy.check_opset(args.opset)  # before any model is loaded: a refusal costs nothing
+    out = Path(args.onnx)
+    orig_out = out.with_name(out.stem + "-original" + (out.suffix or ".onnx"))
+    targets = [out] + ([orig_out] if args.original is not None else [])
+    for t in targets:
+        if t.exists() and not args.force:
+            raise OutputExistsError(f"{t} exists (use --force to overwrite)")
+        if not t.parent.is_dir():
+            raise NormfoldError(f"{t.parent}: no such directory for the ONNX file")
+    steps = Steps(total=2 + 2 * (args.original is not None) + 1, quiet=args.quiet)
+    steps.start("load", f"loading {args.model}")
+    model, report = _load(args.model)
+    original = None
+    if args.original is not None:
+        src = getattr(report, "source", None) or {}
+        source = args.original or src.get("path") or src.get("model")
+        if not source:
+            raise NormfoldError(f"{args.model} names no source model: pass --original MODEL")
+        from .. import io
+
+        original, _ = io.load_source(source)
+        original.eval()
+    inputs = _inputs(model, args, args.model)
+    centered = tuple(getattr(report, "centered_outputs", None) or ()) or CENTERED_OUTPUTS
+    info, got, want = _export_checked(model, inputs, out, args, steps, "model")
+    dtype = str(working_dtype(model)).replace("torch.", "")
+    tol = TOLERANCE.get(dtype, 1e-4)
+    result = {"onnx": str(out), "opset": args.opset, "dtype": dtype, "tolerance": tol, "dynamic": info.dynamic,
+              "optimized": args.optimize, "ops": info.op_counts,
+              "onnx_vs_pytorch": _diff(got, want, ())}
+    if original is not None:
+        oinfo, ogot, owant = _export_checked(original, inputs, orig_out, args, steps, "original")
+        result["original"] = {"onnx": str(orig_out), "ops": oinfo.op_counts,
+                              "onnx_vs_pytorch": _diff(ogot, owant, ())}
+        result["onnx_vs_original_pytorch"] = _diff(got, owant, centered)
+    steps.end()
+    passed = result["onnx_vs_pytorch"]["max_rel_error"] <= tol and (
+        original is None or result["original"]["onnx_vs_pytorch"]["max_rel_error"] <= tol)
+    result["passed"] = passed
+    _print(args, result)
+    return 0 if passed else 1
+
+
+def _row(label, d):
+    top1 = d.get("top1_agreement")
+    return [label, sci(d["max_abs_error"]), sci(d["max_rel_error"]),
+            "" if top1 is None else f"top-1 agreement {100 * top1:.2f}%"]
+
+
+def _print(args, result: dict) -> None:
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    rows = [_row("ONNX (onnxruntime) vs PyTorch, converted", result["onnx_vs_pytorch"])]
+    if "original" in result:
+        rows.append(_row("ONNX converted vs PyTorch original", result["onnx_vs_original_pytorch"]))
+        rows.append(_row("ONNX original vs PyTorch original", result["original"]["onnx_vs_pytorch"]))
+    print(table(rows, header=["check", "max abs", "max rel", ""]))
+    ops = result["ops"]
+    norms = {k: v for k, v in ops.items() if "Normalization" in k}
+    print(f"\n  {result['onnx']}: opset {result['opset']}, {sum(ops.values())} nodes"
+          f"{', ' + ', '.join(f'{v} {k}' for k, v in sorted(norms.items())) if norms else ''}"
+          f"{', dynamic batch/sequence' if result['dynamic'] else ', static shapes'}"
+          f"{', optimized' if result['optimized'] else ''}")
+    print(f"  {'PASS' if result['passed'] else 'FAIL'}: ONNX within {result['tolerance']:.0e} of PyTorch "
+          f"({result['dtype']})")

@@ -1,0 +1,349 @@
+"""Rotation-ready models (`normfold.convert(model, rotate="hadamard")`, `normfold convert --rotate`).
+
+After the Pre-RMSNorm conversion every norm reading a residual stream is an RMSNorm on a zero-mean
+input. Once no such norm multiplies by γ, the model is invariant under any orthogonal Q of the stream
+(SliceGPT's computational invariance): writers W ← W·Q, tables E ← E·Q, readers W ← Qᵀ·W, and
+RMSNorm(xQ) = RMSNorm(x)·Q. With Q fixing the all-ones direction (`algebra.rotation`), the stream stays
+zero-mean, so the rotated checkpoint reloads in stock transformers wherever the plain one does.
+
+Steps on the model, held in float64 throughout (one rounding back to the working dtype at the end):
+
+1. the Pre-RMSNorm conversion with the final norms folded (`convert.apply_rmsnorm`);
+2. every norm that still holds γ (a reader without a bias could not take β: GPT-2's bias-less lm_head
+   under ln_f) folds γ into its readers and keeps the bias β/γ: γ⊙n + β = (n + β/γ)⊙γ (needs γ_i ≠ 0);
+3. per stream, Q for its width (`algebra.rotation_matrix`, kind + seed): writers, tables and stream
+   parameters along their output axis, then re-centred (Q fixes 1 exactly in real arithmetic, this
+   removes float64 residue); readers along their input axis; kept norm biases. A tensor shared by two
+   places (a tie that survived the conversion) is rotated once: both ends need the same t·Q.
+
+Where the stream is not written by linear maps only (a stem recentred explicitly: BLOOM, mBART, CLIP
+vision, Whisper/SigLIP 2 first layers) the stem stays as it is and its output is rotated by an explicit
+x ← x·Q hook; a final norm that no head reads (base models: the output is the stream itself) keeps γ/β
+and reads x·Qᵀ. Both are recorded in structure.rotation["explicit"] (Q rebuilt from kind + seed at load).
+
+Refused (`UnsupportedConversionError`, CLI exit 2), with the reason: LayerNorms kept on a stream (Post-LN
+blocks; kept norms marked `on_stream=False` by their adapter do not count), a γ that cannot be folded (a
+norm read by something that is not linear, or γ with zero entries), a Recenter that does not start its
+stream.
+
+`report.structure.rotation` records kind, seed and per-stream width and construction. Hidden-state
+outputs (output_hidden_states) are the rotated stream: `unrotate_outputs` maps them back (verification
+uses it).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from . import algebra
+from .adapters import ConversionPlan
+from .adapters.base import get
+from .convert import apply_rmsnorm, layernorm_names, register_rotator
+from .options import ConvertOptions
+from .errors import UnsupportedConversionError
+from .modelinfo import working_dtype
+from .nn.online import add_input_hadamard, add_input_rotation, add_output_rotation
+from .ops.hadamard import hadamard_factor, hadamard_matrix
+from .nn import RMSNorm
+from .report import ConversionReport
+from .verify import CENTERED_OUTPUTS
+
+__all__ = ["apply_rotation", "rotation_of", "unrotate_outputs", "stream_rotations", "add_online_hadamard",
+           "mlp_down_projections"]
+
+def _refuse(why: str) -> UnsupportedConversionError:
+    return UnsupportedConversionError(f"cannot rotate this model exactly: {why}")
+
+
+_BLOCK = re.compile(r"\.\d+(\.|$)")
+
+
+@dataclass
+class _Points:
+    """Where a stream is not rotated through its weights: the writers and norms before an explicit
+    Recenter (they stay as they are), the explicit rotations x ← x·Q there, and final norms that keep γ/β
+    because no head reads them (their input is rotated back, x ← x·Qᵀ)."""
+
+    pre_writers: set = field(default_factory=set)
+    pre_norms: set = field(default_factory=set)
+    after: list = field(default_factory=list)  # modules whose output gets ·Q
+    before: list = field(default_factory=list)  # modules whose stream input gets ·Q
+    unrotate: list = field(default_factory=list)  # final norms whose input gets ·Qᵀ
+
+
+def _points(plan: ConversionPlan) -> list[_Points]:
+    out = []
+    for stream in plan.streams:
+        pts = _Points()
+        norms = {site.path for site in stream.norms} | {k.path for k in plan.kept}
+        if stream.recenter_after or stream.recenter_before:
+            for path in stream.recenter_after:
+                if path not in norms or _BLOCK.search(path):
+                    raise _refuse(
+                        f"stream {stream.name!r} is recentred explicitly after {path}, which is not the norm that "
+                        "starts the stream; where its output goes is not described, so no explicit rotation can "
+                        "be placed exactly")
+            for path in stream.recenter_before:
+                if not re.search(r"\.0$", path):
+                    raise _refuse(f"stream {stream.name!r} is recentred explicitly on the input of {path}, which is "
+                                  "not its first block")
+            for w in stream.writers:  # the stem: writers before the first block
+                if _BLOCK.search(w):
+                    break
+                pts.pre_writers.add(w)
+            pts.pre_norms = set(stream.recenter_after)
+            pts.after = list(stream.recenter_after)
+            pts.before = list(stream.recenter_before)
+        out.append(pts)
+    return out
+
+
+def _check_no_layernorm_left(model: nn.Module, plan: ConversionPlan, points: list[_Points]) -> None:
+    stems = {n for pts in points for n in pts.pre_norms}  # before an explicit Recenter: not rotated
+    off = {k.path for k in plan.kept if not k.on_stream}  # reads no residual stream: rotation leaves it alone
+    left = [n for n in layernorm_names(model) if n not in stems | off]
+    if left:
+        reasons = {k.path: k.reason for k in plan.kept}
+        detail = "; ".join(f"{n}: {reasons.get(n, 'not on a stream the adapter describes')}" for n in left[:4])
+        more = f" (and {len(left) - 4} more)" if len(left) > 4 else ""
+        raise _refuse(f"{len(left)} LayerNorm(s) stay LayerNorms ({detail}{more}). A LayerNorm with an affine "
+                      "does not commute with a rotation of its input (Post-LN blocks normalize the stream "
+                      "itself and write γ⊙n + β back to it).")
+
+
+def _fold_kept_gammas(model: nn.Module, plan: ConversionPlan, report: ConversionReport,
+                      points: list[_Points]) -> int:
+    """Step 2: γ into the readers, β/γ stays. A final norm no head reads keeps γ/β and gets its input
+    rotated back (recorded in `points`); the norm starting a recentred stream keeps them too. Returns
+    #tensors edited."""
+    where = {site.path: (site, pts) for stream, pts in zip(plan.streams, points) for site in stream.norms}
+    edited = 0
+    for rec in report.structure.norms:
+        if not rec.weight:
+            continue
+        site, pts = where.get(rec.name, (None, None))
+        if pts is not None and rec.name in pts.pre_norms:
+            continue
+        norm = get(model, rec.name)
+        readers = [get(model, r) for r in (site.readers if site else ())]
+        if not readers:
+            if site is not None and site.final:
+                pts.unrotate.append(rec.name)  # the model's output is the stream itself: keep γ/β, rotate back
+                continue
+            raise _refuse(f"the γ of {rec.name} cannot be folded: its output is not read only by linear modules")
+        if not all(algebra.is_linear_reader(r) or algebra.is_conv_reader(r) for r in readers):
+            raise _refuse(f"the γ of {rec.name} cannot be folded: a reader of it is not a linear module")
+        gamma = norm.weight
+        if bool((gamma.detach() == 0).any()):
+            raise _refuse(f"the γ of {rec.name} has {int((gamma.detach() == 0).sum())} zero entries: β/γ is "
+                          "undefined, so β cannot stay behind while γ moves into the readers")
+        for path, reader in zip(site.readers, readers):
+            lay = algebra.layout_of(reader)
+            w = getattr(reader, lay.weight)
+            b = getattr(reader, lay.bias, None) if lay.bias else None
+            if algebra.is_conv_reader(reader):
+                new_w, _ = algebra.fold_affine_conv(w, b, gamma, None, reader.groups)
+            else:
+                new_w, _ = algebra.fold_affine(w, b, gamma, None, lay.in_dim)
+            with torch.no_grad():
+                w.copy_(new_w)
+            edited += 1
+        with torch.no_grad():
+            if norm.bias is not None:
+                norm.bias.copy_(algebra.unfold_gamma_bias(norm.bias, gamma))
+                edited += 1
+        norm.weight = None
+        rec.weight = False
+        rec.folded_into = list(site.readers)
+    return edited
+
+
+def _stream_width(model: nn.Module, norms) -> int:
+    widths = {int(get(model, s.path).normalized_shape[0]) for s in norms if isinstance(get(model, s.path), RMSNorm)}
+    if len(widths) != 1:
+        raise _refuse(f"the norms of one stream disagree on its width ({sorted(widths)})")
+    return widths.pop()
+
+
+def _stream_tensors(model: nn.Module, stream, pts: _Points) -> list[tuple[nn.Parameter, int, bool]]:
+    """(parameter, stream axis, is a writer) of everything that touches this stream through weights."""
+    out = []
+    for path in stream.writers:
+        if path in pts.pre_writers:
+            continue
+        obj = get(model, path)
+        if isinstance(obj, nn.Parameter):
+            out.append((obj, obj.dim() - 1, True))
+            continue
+        lay = algebra.layout_of(obj)
+        if lay is None:
+            raise _refuse(f"stream writer {path} is a {type(obj).__name__} with no known weight layout")
+        out.append((getattr(obj, lay.weight), lay.out_dim, True))
+        b = getattr(obj, lay.bias, None) if lay.bias else None
+        if b is not None:
+            out.append((b, b.dim() - 1, True))
+    for site in stream.norms:
+        if site.path in pts.pre_norms or site.path in pts.unrotate:
+            continue
+        norm = get(model, site.path)
+        if getattr(norm, "weight", None) is not None:
+            raise _refuse(f"{site.path} still multiplies by γ")
+        if getattr(norm, "bias", None) is not None:
+            out.append((norm.bias, 0, False))
+        for r in site.readers:
+            reader = get(model, r)
+            lay = algebra.layout_of(reader)
+            out.append((getattr(reader, lay.weight), lay.in_dim, False))
+    return out
+
+
+def _module_params(model: nn.Module, path: str) -> list[nn.Parameter]:
+    obj = get(model, path)
+    return [obj] if isinstance(obj, nn.Parameter) else list(obj.parameters())
+
+
+def stream_rotations(widths, kind: str, seed: int) -> dict[int, tuple[Tensor, str]]:
+    return {d: algebra.rotation_matrix(kind, d, seed) for d in sorted(set(widths))}
+
+
+def apply_rotation(model: nn.Module, plan: ConversionPlan, options: ConvertOptions, report: ConversionReport,
+                   kind: str, seed: int, online: bool = False) -> None:
+    """Pre-LN -> rotated Pre-RMSNorm on `model` in place (see the module docstring); `online`: also an
+    online Hadamard before each MLP down-projection (`add_online_hadamard`)."""
+    if kind not in algebra.rotation.KINDS:
+        raise UnsupportedConversionError(f"unknown rotation {kind!r}; choose one of {', '.join(algebra.rotation.KINDS)}")
+    points = _points(plan)
+    dtype = working_dtype(model)
+    model.to(torch.float64)
+    try:
+        apply_rmsnorm(model, plan, options, report)
+        _check_no_layernorm_left(model, plan, points)
+        report.tensors_edited += _fold_kept_gammas(model, plan, report, points)
+        widths = [_stream_width(model, s.norms) for s in plan.streams]
+        qs = stream_rotations(widths, kind, seed)
+        done: dict[int, int] = {}
+        frozen = {id(p) for stream, pts in zip(plan.streams, points) for w in pts.pre_writers | pts.pre_norms
+                  for p in _module_params(model, w)}
+        streams, explicit = [], []
+        for stream, pts, d in zip(plan.streams, points, widths):
+            q, used = qs[d]
+            for p, axis, writer in _stream_tensors(model, stream, pts):
+                if id(p) in frozen:
+                    raise _refuse(f"a parameter of stream {stream.name!r} is shared with a stem that is not "
+                                  "rotated (tied tables on both sides of an explicit Recenter)")
+                if id(p) in done:
+                    if done[id(p)] != d:
+                        raise _refuse(f"a parameter is shared by streams of widths {done[id(p)]} and {d}")
+                    continue
+                new = algebra.rotate_axis(p, q, axis)
+                if writer:
+                    new = algebra.center(new, axis)
+                with torch.no_grad():
+                    p.copy_(new)
+                done[id(p)] = d
+                report.tensors_edited += 1
+            for path in pts.after:
+                add_output_rotation(get(model, path), q)
+                explicit.append({"path": path, "where": "output", "width": d, "transpose": False})
+            for path in pts.before:
+                add_input_rotation(get(model, path), q)
+                explicit.append({"path": path, "where": "input", "width": d, "transpose": False})
+            for path in pts.unrotate:
+                add_input_rotation(get(model, path), q.T.contiguous())
+                explicit.append({"path": path, "where": "input", "width": d, "transpose": True})
+            streams.append({"name": stream.name, "width": d, "construction": used})
+        report.structure.rotation = {"kind": kind, "seed": int(seed), "streams": streams}
+        if explicit:
+            report.structure.rotation["explicit"] = explicit
+            report.stock_reloadable = False
+            report.notes.append(
+                "explicit rotations (one d×d matmul per token each; the checkpoint needs normfold.load): "
+                + "; ".join(f"{e['path']} {e['where']} ·Q{'ᵀ (the final norm keeps γ/β: the output is the stream itself)' if e['transpose'] else ' (after the explicit Recenter: the stem is not linear)'}"
+                            for e in explicit))
+        report.notes.append(
+            f"residual stream rotated ({kind}, seed {seed}; "
+            + ", ".join(f"{s['name']}: d={s['width']} {s['construction']}" for s in streams)
+            + "): hidden-state outputs are the rotated stream (normfold.rotate.unrotate_outputs maps them back); "
+            "the final norms' γ/β are in the heads, so a final norm's own output (last_hidden_state where it is "
+            "that) is rotated and lacks them")
+        if online:
+            done = add_online_hadamard(model, mlp_down_projections(model, report), report)
+            report.notes.append(f"online Hadamard before {len(done)} MLP down-projection(s) (fast Walsh-Hadamard "
+                                "op on their input, weights rotated to match): load with normfold.load")
+    finally:
+        model.to(dtype)
+
+
+def add_online_hadamard(model: nn.Module, paths: list[str], report: ConversionReport | None = None) -> list[str]:
+    """Online Hadamard before each linear at `paths` (exact): its input becomes x·H/√n at run time
+    (`nn.online.add_input_hadamard`, the fast Walsh–Hadamard op) and its weight W·H/√n along the input
+    axis (float64, one rounding). Widths without a Hadamard construction are skipped. Returns the paths
+    done; with `report`, records them in structure.rotation["online"] (replayed by normfold.load) and
+    marks the checkpoint not stock-reloadable (stock transformers would run the rotated weights without
+    the rotation of their input)."""
+    done = []
+    for path in paths:
+        module = get(model, path)
+        lay = algebra.layout_of(module)
+        if lay is None or lay.in_dim is None:
+            raise UnsupportedConversionError(f"{path} is a {type(module).__name__}, not a linear module")
+        w = getattr(module, lay.weight)
+        n = int(w.shape[lay.in_dim])
+        if not hadamard_factor(n):
+            continue
+        h = hadamard_matrix(n) / n ** 0.5
+        with torch.no_grad():
+            w.copy_(algebra.rotate_axis(w, h, lay.in_dim))
+        add_input_hadamard(module, n)
+        done.append(path)
+    if report is not None and done:
+        report.structure.rotation.setdefault("online", []).extend(done)
+        report.stock_reloadable = False
+    return done
+
+
+def mlp_down_projections(model: nn.Module, report: ConversionReport) -> list[str]:
+    """Stream writers whose input is wider than the stream (the MLP down-projections)."""
+    out = []
+    widths = {s["width"] for s in report.structure.rotation.get("streams", [])}
+    for path in report.centered:
+        obj = get(model, path)
+        lay = None if isinstance(obj, nn.Parameter) else algebra.layout_of(obj)
+        if lay is None or lay.in_dim is None or not algebra.is_linear_reader(obj):
+            continue
+        w = getattr(obj, lay.weight)
+        if int(w.shape[lay.in_dim]) not in widths and int(w.shape[lay.out_dim]) in widths:
+            out.append(path)
+    return out
+
+
+def rotation_of(structure_rotation: dict) -> dict[int, Tensor]:
+    """{width: Q} of a recorded rotation (report.structure.rotation)."""
+    if not structure_rotation:
+        return {}
+    kind, seed = structure_rotation["kind"], int(structure_rotation.get("seed", 0))
+    return {int(d): q for d, (q, _) in stream_rotations([s["width"] for s in structure_rotation["streams"]],
+                                                       kind, seed).items()}
+
+
+def unrotate_outputs(structure_rotation: dict, centered=CENTERED_OUTPUTS):
+    """(name, tensor) -> tensor: a stream-carrying output of the rotated model (its name matches one of the
+    fnmatch patterns `centered`, as in `report.centered_outputs`) back in the original basis, t·Qᵀ, for
+    `verify_conversion(output_map=...)`; other outputs unchanged."""
+    qs = rotation_of(structure_rotation)
+
+    def fn(name: str, t: Tensor) -> Tensor:
+        q = qs.get(int(t.shape[-1])) if t.dim() else None
+        if q is None or not any(fnmatch.fnmatchcase(name, p) for p in centered):
+            return t
+        return (t.to(torch.float64) @ q.T).to(t.dtype if t.dtype == torch.float64 else torch.float64)
+
+    return fn
+
+
+register_rotator(apply_rotation, unrotate_outputs)

@@ -1,0 +1,45 @@
+"""normfold.ops.hadamard: fwht against the dense float64 matrix, orthonormality, torch.export."""
+
+import pytest
+import torch
+
+from normfold.ops.hadamard import fwht, hadamard_core, hadamard_factor, hadamard_matrix
+
+
+def _core(n, dtype=torch.float64):
+    m, _ = hadamard_factor(n)
+    return None if m == 1 else hadamard_core(m).to(dtype)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 12, 20, 24, 48, 64, 80, 192, 768, 1024])
+def test_fwht_matches_the_dense_matrix(n):
+    h = hadamard_matrix(n)
+    assert torch.equal(h @ h.T, n * torch.eye(n, dtype=torch.float64))
+    x = torch.randn(3, 5, n, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+    ref = x @ h / n ** 0.5
+    assert (fwht(x, _core(n)) - ref).abs().max() <= 1e-13 * ref.abs().max()
+    x32 = x.float()
+    assert (fwht(x32, _core(n, torch.float32)).double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_fwht_keeps_norms_and_refuses_bad_widths():
+    x = torch.randn(4, 96, dtype=torch.float64)
+    assert torch.allclose(fwht(x, _core(96)).norm(dim=-1), x.norm(dim=-1), rtol=1e-13)
+    with pytest.raises(ValueError):
+        fwht(torch.randn(2, 10), None)
+
+
+def test_fwht_exports():
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("core", hadamard_core(12).float())
+
+        def forward(self, x):
+            return fwht(x, self.core)
+
+    m = M()
+    x = torch.randn(2, 7, 192)
+    ep = torch.export.export(m, (x,))
+    assert torch.allclose(ep.module()(x), m(x))
+    assert not any("normfold" in str(n.target) for n in ep.graph.nodes)  # plain aten

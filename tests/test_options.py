@@ -1,0 +1,142 @@
+"""One options object (issue 27): `normfold.ConvertOptions` or the same keywords give the same conversion in
+convert, stream_convert, train.prepare and train.export; the old spellings still work with a
+DeprecationWarning. Outputs are compared, not flags."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import normfold
+from normfold import ConvertOptions
+from normfold import train as nftrain
+from normfold.errors import UnsupportedConversionError
+from normfold.options import resolve
+
+transformers = pytest.importorskip("transformers")
+from helpers import realistic, run_flat  # noqa: E402
+
+
+def gpt2(dtype=torch.float64):
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=61, n_positions=16, n_embd=24, n_layer=2, n_head=3)
+    return realistic(transformers.GPT2LMHeadModel(cfg).to(dtype).eval())
+
+
+IDS = {"input_ids": torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(1))}
+
+
+def state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def same_state(a, b):
+    sa, sb = state(a), state(b)
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_resolve_lays_keywords_over_the_object():
+    base = ConvertOptions(to="crmsnorm", pad=True, keep_affine=True)
+    assert resolve(base, "t") is base
+    assert resolve(base, "t", keep_affine=False) == ConvertOptions(to="crmsnorm", pad=True, keep_affine=False)
+    assert resolve(None, "t", to="un", variant_options={"warmup": 3}).variant_options == {"warmup": 3}
+    with pytest.raises(TypeError, match="unknown option"):
+        resolve(None, "t", colour="red")
+    with pytest.raises(TypeError, match="ConvertOptions"):
+        resolve({"to": "crmsnorm"}, "t")
+
+
+@pytest.mark.parametrize("kw", [dict(to="rmsnorm"), dict(to="rmsnorm", keep_affine=True, fold_final=True),
+                                dict(to="crmsnorm", pad=True), dict(to="crmsnorm")])
+def test_convert_object_and_keywords_agree_and_are_exact(kw):
+    model = gpt2()
+    by_kw, r1 = normfold.convert(model, **kw)
+    by_obj, r2 = normfold.convert(model, options=ConvertOptions(**kw))
+    assert same_state(by_kw, by_obj)
+    assert r1.variant == r2.variant == kw["to"]
+    assert r1.verification["passed"] and r1.verification["fp64"]["max_rel_error"] <= 1e-9
+    ref, got = run_flat(model, IDS)["logits"], run_flat(by_obj, IDS)["logits"]
+    assert (got - ref).abs().max() <= 1e-9 * ref.abs().max()
+
+
+def test_a_keyword_overrides_the_objects_field():
+    model = gpt2()
+    a, _ = normfold.convert(model, options=ConvertOptions(keep_affine=True), keep_affine=False)
+    b, _ = normfold.convert(model)
+    assert same_state(a, b)
+
+
+def test_old_pad_spelling_warns_and_means_the_same():
+    model = gpt2()
+    with pytest.warns(DeprecationWarning, match="pad"):
+        old, _ = normfold.convert(model, to="crmsnorm", variant_options={"pad": True})
+    new, _ = normfold.convert(model, to="crmsnorm", pad=True)
+    assert same_state(old, new)
+
+
+def test_pad_is_refused_for_rmsnorm():
+    with pytest.raises(UnsupportedConversionError, match="takes no options"):
+        normfold.convert(gpt2(), to="rmsnorm", pad=True)
+
+
+def test_prepare_keep_affine_and_the_deprecated_fold():
+    a, b, c = gpt2(), gpt2(), gpt2()
+    nftrain.prepare(a, options=ConvertOptions(keep_affine=False))
+    with pytest.warns(DeprecationWarning, match="keep_affine"):
+        nftrain.prepare(b, fold=True)
+    nftrain.prepare(c)  # default for rmsnorm: γ/β kept in the norm
+    assert nftrain.state(a).fold and nftrain.state(b).fold and not nftrain.state(c).fold
+    ref = run_flat(gpt2(), IDS)["logits"]
+    for m in (a, b, c):
+        got = run_flat(m.eval(), IDS)["logits"]
+        assert (got - ref).abs().max() <= 1e-9 * ref.abs().max()
+    with pytest.raises(UnsupportedConversionError, match="no training form"):
+        nftrain.prepare(gpt2(), options=ConvertOptions(to="crmsnorm", pad=True))
+
+
+def test_export_takes_the_options(tmp_path):
+    model = gpt2(torch.float32)
+    nftrain.prepare(model)
+    conv, report = nftrain.export(model, tmp_path / "a", options=ConvertOptions(keep_affine=True))
+    assert report.verification["passed"]
+    assert any(rec.weight for rec in report.structure.norms)  # γ kept in the norms, as asked
+    _, folded = nftrain.export(model, tmp_path / "b")
+    assert not any(rec.weight for rec in folded.structure.norms if not rec.name.endswith("ln_f"))
+    ref = run_flat(nftrain.restore(model).eval(), IDS)["logits"]
+    for d in ("a", "b"):
+        got = run_flat(normfold.load(tmp_path / d), IDS)["logits"]
+        assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+def test_stream_convert_takes_the_options(tmp_path):
+    from normfold.stream import stream_convert
+
+    model = gpt2(torch.float32)
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    out_obj, out_kw = tmp_path / "o", tmp_path / "k"
+    out_obj.mkdir(), out_kw.mkdir()
+    stream_convert(src, out_obj, options=ConvertOptions(keep_affine=True))
+    stream_convert(src, out_kw, keep_affine=True)
+    assert same_state(normfold.load(out_obj), normfold.load(out_kw))
+    with pytest.raises(normfold.NormfoldError, match="rmsnorm"):
+        stream_convert(src, tmp_path, options=ConvertOptions(to="crmsnorm"))
+
+
+def test_renamed_functions_keep_their_old_names_for_one_release():
+    import importlib
+
+    from normfold import ops
+
+    convert_module = importlib.import_module("normfold.convert")  # the function shadows the module name
+
+    with pytest.warns(DeprecationWarning, match="load_kernels"):
+        ops.prepare()
+    model = gpt2()
+    with pytest.warns(DeprecationWarning, match="center_writer_at"):
+        convert_module.center_writer(model, "transformer.wte.weight")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ops.load_kernels()
