@@ -39,6 +39,15 @@ def converted(tmp_path):
     return model, conv, report, out
 
 
+@pytest.fixture
+def converted_untied(tmp_path):
+    """untie=True: the head gets its own copy of the table, the form stock transformers reloads."""
+    model = tiny()
+    conv, report = normfold.convert(model, untie=True)
+    out = normfold.save(conv, report, tmp_path / "out")
+    return model, conv, report, out
+
+
 STOCK_RELOAD = r"""
 import sys, json, torch
 from transformers import AutoModelForCausalLM
@@ -52,8 +61,9 @@ torch.save(out, sys.argv[3])
 """
 
 
-def test_stock_transformers_reload_gives_same_outputs(converted, tmp_path):
-    model, conv, report, out = converted
+def test_stock_transformers_reload_gives_same_outputs(converted_untied, tmp_path):
+    model, conv, report, out = converted_untied
+    assert report.stock_reloadable and report.to_dict()["reload"]["stock_transformers"]
     result = tmp_path / "stock_logits.pt"
     proc = subprocess.run([sys.executable, "-c", STOCK_RELOAD, str(out), json.dumps(IDS.tolist()), str(result)],
                           capture_output=True, text=True, env={"HF_HUB_OFFLINE": "1", "PATH": ""})
@@ -64,6 +74,23 @@ def test_stock_transformers_reload_gives_same_outputs(converted, tmp_path):
     # and in float64 the reloaded stock model is as exact as the stored weights allow
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["tie_word_embeddings"] is False
+
+
+def test_tied_checkpoint_is_refused_by_stock_transformers_and_loads_with_normfold(converted, tmp_path):
+    """The default keeps lm_head tied to the centred table (nn.TiedHead): stock transformers would compute
+    h·E'ᵀ without the row-mean term, so the weights go to normfold_model.safetensors (stock fails loudly)."""
+    model, conv, report, out = converted
+    assert not report.stock_reloadable and report.structure.tied_heads
+    assert "normfold.load only" in report.to_dict()["reload"]["how"]
+    assert (out / io.NORMFOLD_WEIGHTS).is_file() and not (out / io.STOCK_WEIGHTS).exists()
+    result = tmp_path / "stock_logits.pt"
+    proc = subprocess.run([sys.executable, "-c", STOCK_RELOAD, str(out), json.dumps(IDS.tolist()), str(result)],
+                          capture_output=True, text=True, env={"HF_HUB_OFFLINE": "1", "PATH": ""})
+    assert proc.returncode != 0 and "model.safetensors" in proc.stderr
+    loaded = normfold.load(out)
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    assert torch.equal(logits(loaded), logits(conv))
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
 
 
 def test_normfold_load_restores_rmsnorm_modules(converted):

@@ -344,6 +344,7 @@ def apply_rmsnorm(model: nn.Module, plan: ConversionPlan, options: ConvertOption
                   report: ConversionReport) -> None:
     """Pre-LN -> Pre-RMSNorm on `model` in place (paper 001 §3.1), recording what was done."""
     structure = report.structure
+    ties = None if options.untie else tie_groups(model, plan)  # before any edit: original row means, γ
     structure.untied = untie(model, edited_params(model, plan, options))
     edited = 0
     for stream in plan.streams:
@@ -366,8 +367,186 @@ def apply_rmsnorm(model: nn.Module, plan: ConversionPlan, options: ConvertOption
             add_input_recenter(get(model, path))
             structure.recenter_before.append(path)
     report.tensors_edited = edited
-    if structure.recenter_after or structure.recenter_before or structure.added_bias:
+    if ties is not None and structure.untied:
+        keep_ties(model, plan, ties, report)
+    if structure.recenter_after or structure.recenter_before or structure.added_bias or structure.tied_heads:
         report.stock_reloadable = False
+
+
+# ---- tied embedding / head: kept tied (nn.TiedHead) ---------------------------------------------------
+
+@dataclass
+class TieGroup:
+    """Parameter names sharing one tensor before the conversion, with what keep_ties needs to re-tie them."""
+
+    names: list[str]
+    row_means: torch.Tensor | None = None  # float64 row means of the original table (embedding groups)
+    gammas: dict = field(default_factory=dict)  # head module path -> γ of the norm it reads (float64 copy)
+
+
+def _module_and_leaf(model: nn.Module, name: str) -> tuple[str, nn.Module, str]:
+    head, _, leaf = name.rpartition(".")
+    return head, (get(model, head) if head else model), leaf
+
+
+def _is_plain_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
+@dataclass
+class Ties:
+    groups: list[TieGroup]
+    configs: list  # configs with tie_word_embeddings set before the conversion
+
+
+def tie_groups(model: nn.Module, plan: ConversionPlan) -> Ties:
+    """Every group of parameter names sharing one tensor, before the conversion edits any of them."""
+    by_id: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    sites = {r: site for st in plan.streams for site in st.norms for r in site.readers}
+    groups = []
+    for pid, names in by_id.items():
+        if len(names) < 2:
+            continue
+        group = TieGroup(list(names))
+        p = params[pid]
+        if p.dim() == 2 and p.is_floating_point():
+            group.row_means = p.detach().double().mean(dim=-1)
+            for name in names:
+                path, module, leaf = _module_and_leaf(model, name)
+                site = sites.get(path)
+                if leaf == "weight" and _is_plain_linear(module) and site is not None:
+                    ln = get(model, site.path)
+                    if getattr(ln, "weight", None) is not None:
+                        group.gammas[path] = ln.weight.detach().double().clone()
+        groups.append(group)
+    return Ties(groups, _tied_configs(model))
+
+
+def _edit_kinds(plan: ConversionPlan, structure: Structure) -> dict[str, str]:
+    """What the conversion did to each module / parameter path it touched: 'centred' (a stream writer),
+    'scaled' (a writer or multiplier of a scale fold), 'folded' (a reader that took a norm's γ/β, or grew a
+    bias). Decided from the plan and the records alone, so it works on meta tensors (normfold.stream)."""
+    kinds: dict[str, str] = {}
+    for st in plan.streams:
+        for w in st.writers:
+            kinds[w] = "centred"
+        for w, scale in st.scale_folds:
+            kinds[w] = kinds[scale] = "scaled"
+    for rec in structure.norms:
+        for r in rec.folded_into:
+            kinds[r] = "folded"
+    for r in structure.added_bias:
+        kinds[r] = "folded"
+    return kinds
+
+
+def _kind(kinds: dict[str, str], name: str) -> str:
+    path = name.rpartition(".")[0]
+    return kinds.get(name) or kinds.get(path) or "none"
+
+
+def keep_ties(model: nn.Module, plan: ConversionPlan, ties: "Ties", report: ConversionReport) -> None:
+    """Undo the untying of `apply_rmsnorm` without changing the function (in place).
+
+    A group that no edit changed is simply shared again (bias pairs, tables that were not edited). A
+    table tied to heads: every embedding alias shares the centred table E' again (one the plan does
+    not centre, such as BART's `shared` that only hands the tensor to encoder and decoder, too), and
+    every head alias (a plain nn.Linear) becomes an `nn.TiedHead` computing its original output from E'
+    plus the row means that centring removed (and the folded γ where the final norm's affine was folded
+    into the head). Anything else stays untied (the plain form) with a note. The decisions read the plan
+    and the records only (no values), so normfold.stream makes the same ones on meta tensors."""
+    from .nn import TiedHead
+
+    structure = report.structure
+    kinds = _edit_kinds(plan, structure)
+    folded = {r: rec for rec in structure.norms for r in rec.folded_into}
+    retied: set[str] = set()
+    for group in ties.groups:
+        if not any(n in structure.untied for n in group.names):
+            continue
+        edits = {n: _kind(kinds, n) for n in group.names}
+        if all(k == "none" for k in edits.values()):
+            first = get(model, group.names[0])
+            for name in group.names[1:]:
+                parent, leaf = parent_and_leaf(model, name)
+                setattr(parent, leaf, first)
+            retied.update(group.names)
+            continue
+        tables, heads, other = [], [], []
+        for name in group.names:
+            path, module, leaf = _module_and_leaf(model, name)
+            if leaf == "weight" and isinstance(module, nn.Embedding) and edits[name] in ("none", "centred"):
+                tables.append((name, path))
+            elif leaf == "weight" and _is_plain_linear(module) and edits[name] in ("none", "folded"):
+                heads.append((name, path))
+            else:
+                other.append(name)
+        centred = [t for t in tables if edits[t[0]] == "centred"]
+        if other or not centred or (heads and group.row_means is None):
+            report.notes.append(f"tied parameters {', '.join(group.names)} stay untied: normfold keeps a tie only "
+                                "between centred embedding tables and plain linear heads")
+            continue
+        tables = centred + [t for t in tables if t not in centred]
+        canon = get(model, tables[0][0])
+        for name, _ in tables[1:]:
+            parent, leaf = parent_and_leaf(model, name)
+            setattr(parent, leaf, canon)
+        table_path = tables[0][1]
+        table = get(model, table_path)
+        for name, path in heads:
+            head = get(model, path)
+            rec = folded.get(path)
+            gamma = group.gammas.get(path) if (rec is not None and not rec.weight and rec.stock_weight) else None
+            new = TiedHead(table, tied_head_shift(group.row_means, canon),
+                           None if gamma is None else gamma.to(canon.dtype), head.bias)
+            parent, leaf = parent_and_leaf(model, path)
+            setattr(parent, leaf, new)
+            structure.tied_heads.append({"head": path, "table": table_path, "scale": gamma is not None,
+                                         "bias": head.bias is not None})
+        retied.update(group.names)
+    structure.untied = [n for n in structure.untied if n not in retied]
+    if not structure.untied:
+        enable_weight_tying(model, ties.configs)
+    if structure.tied_heads:
+        heads = ", ".join(f"{t['head']} -> {t['table']}" for t in structure.tied_heads)
+        vocab = ", ".join(str(get(model, t["head"]).out_features) for t in structure.tied_heads)
+        report.notes.append(
+            f"tied embedding/head kept tied ({heads}): the head reads the centred table plus its row means "
+            f"(nn.TiedHead, {vocab} numbers) instead of an untied copy; the checkpoint loads with normfold.load "
+            "only. --untie (untie=True) writes the untied plain-transformers form that stock transformers reloads")
+
+
+def tied_head_shift(row_means: torch.Tensor, centred: torch.Tensor) -> torch.Tensor:
+    """TiedHead's `mean`: what each row of the table lost, the original float64 row mean minus what is left
+    of it in the rounded centred table (float64, rounded once to the table's dtype)."""
+    return (row_means - centred.detach().double().mean(dim=-1)).to(centred.dtype)
+
+
+def _tied_configs(model: nn.Module) -> list:
+    out = {}
+    for module in model.modules():
+        cfg = getattr(module, "config", None)
+        if cfg is not None:
+            for c in [cfg, *_sub_configs(cfg)]:
+                if getattr(c, "tie_word_embeddings", False):
+                    out[id(c)] = c
+    return list(out.values())
+
+
+def enable_weight_tying(model: nn.Module, configs: list) -> None:
+    """Tell transformers the embeddings are tied again (undoes disable_weight_tying on `configs`)."""
+    for c in configs:
+        c.tie_word_embeddings = True
+    for module in model.modules():
+        if hasattr(module, "get_expanded_tied_weights_keys") and hasattr(module, "all_tied_weights_keys"):
+            try:
+                module.all_tied_weights_keys = module.get_expanded_tied_weights_keys(all_submodels=False)
+            except (ValueError, AttributeError):  # a head's weight is now the TiedHead's view of the table
+                pass
 
 
 register_variant(Variant("rmsnorm", "Pre-LN -> Pre-RMSNorm: zero-mean stream, LayerNorm -> RMSNorm (exact)",
@@ -416,7 +595,8 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
             pad: bool | None = None, variant_options: dict | None = None, adapter: Adapter | None = None,
             inplace: bool = False, verify: bool = True, inputs: dict | None = None, fp64_tol: float = 1e-9,
             progress: Progress | None = None, auto: bool = False, rotate: str | None = None, rotate_seed: int = 0,
-            rotate_online: bool = False, fast: bool = True) -> tuple[nn.Module, ConversionReport]:
+            rotate_online: bool = False, untie: bool | None = None,
+            fast: bool = True) -> tuple[nn.Module, ConversionReport]:
     """Convert `model` and return (converted model in eval mode, report).
 
     The original is not modified unless `inplace=True`. With `verify=True` (default) both models
@@ -438,12 +618,17 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
     `rotate_online`: also an online Hadamard before every MLP down-projection (exact; the checkpoint then
     needs `normfold.load`).
 
+    A head tied to an embedding table the conversion centres stays tied (`nn.TiedHead`: the centred
+    table plus its row means, loads with normfold.load); `untie=True` gives the head its own copy of
+    the table instead (plain `transformers` form, stock-reloadable, V×d more parameters).
+
     `fast` (default True) applies `normfold.fastpath` to the result, as `normfold.load` does: the
     residual add fused with the next norm in supported blocks, padded Pre-CRMS writers. They change
     how the model computes (rounding only), not its parameters; fast=False leaves them out.
     """
     options = resolve_options(options, "normfold.convert", to=to, keep_affine=keep_affine, fold_final=fold_final,
-                              allow_new_bias=allow_new_bias, pad=pad, variant_options=variant_options)
+                              allow_new_bias=allow_new_bias, pad=pad, variant_options=variant_options,
+                              untie=untie)
     options = options.replace(keep_affine=bool(options.keep_affine))
     to, fold_final = options.to, options.fold_final
     variant_options = options.target_options()

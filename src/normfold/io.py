@@ -351,6 +351,29 @@ def apply_umask(directory: Path) -> None:
             os.chmod(f, 0o666 & ~mask)
 
 
+def weight_file_bytes(directory: str | os.PathLike) -> int:
+    """Total size of the safetensors weight files in a model directory (0 if none)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in directory.glob("*.safetensors") if f.is_file())
+
+
+def rewrite_report(directory: str | os.PathLike, report: ConversionReport) -> None:
+    """Replace `normfold.json` in a written checkpoint atomically (temp file, then rename)."""
+    directory = Path(directory)
+    fd, tmp = tempfile.mkstemp(prefix=f".{REPORT_FILE}.", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(report.to_json() + "\n")
+        os.chmod(tmp, (directory / REPORT_FILE).stat().st_mode & 0o777)
+        os.replace(tmp, directory / REPORT_FILE)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
 # ---- loading back --------------------------------------------------------------------------------------
 
 def read_report(path: str | os.PathLike) -> ConversionReport:
@@ -514,6 +537,7 @@ def apply_structure(model: nn.Module, structure: Structure) -> nn.Module:
                 out_features = module.weight.shape[0]
                 module.bias = nn.Parameter(torch.zeros(out_features, dtype=module.weight.dtype,
                                                        device=module.weight.device))
+        apply_tied_heads(model, structure.tied_heads)
         if structure.rotation:
             _apply_rotation_hooks(model, structure.rotation)
         for path in structure.rotation.get("online", []) if structure.rotation else []:  # online Hadamard inputs
@@ -558,10 +582,14 @@ def _apply_rotation_hooks(model: nn.Module, rotation: dict) -> None:
             if width not in widths:  # also bounds the d×d matrix built below
                 raise ValueError(f"width {width} is not the width of any norm of this model")
             module = modules[str(e["path"])]
-            q, _ = rotation_matrix(str(rotation["kind"]), width, int(rotation.get("seed", 0)))
+            ref = next(iter(model.parameters()), None)
+            if ref is not None and ref.is_meta:  # checking a report against the config's meta model: shapes only
+                q = torch.empty(width, width, device="meta")
+            else:
+                with torch.device("cpu"):
+                    q, _ = rotation_matrix(str(rotation["kind"]), width, int(rotation.get("seed", 0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"normfold.json: bad explicit rotation entry {e!r}: {exc}") from None
-        ref = next(iter(model.parameters()), None)
         q = (q.T if e.get("transpose") else q).contiguous().to(ref.dtype if ref is not None else torch.float32)
         if e.get("where") == "output":
             add_output_rotation(module, q)
@@ -569,6 +597,34 @@ def _apply_rotation_hooks(model: nn.Module, rotation: dict) -> None:
             add_input_rotation(module, q)
         else:
             raise CheckpointError(f"normfold.json: explicit rotation at {e.get('path')}: unknown place {e.get('where')!r}")
+
+
+def apply_tied_heads(model: nn.Module, records: list[dict]) -> None:
+    """Replace each recorded head by an `nn.TiedHead` reading the recorded embedding table (its mean,
+    scale and bias are filled from the checkpoint; an existing bias Parameter is reused, so aliases of
+    it stay shared). Paths are resolved through named_modules() only."""
+    from .nn import TiedHead
+
+    if not records:
+        return
+    modules = dict(model.named_modules())
+    for rec in records:
+        head, table = modules.get(rec["head"]), modules.get(rec["table"])
+        if not isinstance(head, nn.Linear) or not isinstance(table, nn.Embedding):
+            raise CheckpointError(f"normfold.json records a head {rec['head']!r} tied to the table {rec['table']!r}, "
+                                  f"but this model has no such linear head / embedding ({type(head).__name__}, "
+                                  f"{type(table).__name__})")
+        w = table.weight
+        if tuple(head.weight.shape) != tuple(w.shape):
+            raise CheckpointError(f"normfold.json ties {rec['head']} {tuple(head.weight.shape)} to {rec['table']} "
+                                  f"{tuple(w.shape)}: the shapes differ")
+        bias = head.bias if rec["bias"] else None
+        if rec["bias"] and bias is None:
+            bias = nn.Parameter(torch.zeros(w.shape[0], dtype=w.dtype), requires_grad=False)
+        mean = torch.zeros(w.shape[0], dtype=w.dtype)
+        scale = torch.ones(w.shape[1], dtype=w.dtype) if rec["scale"] else None
+        parent, leaf = parent_and_leaf(model, rec["head"])
+        setattr(parent, leaf, TiedHead(table, mean, scale, bias))
 
 
 @contextlib.contextmanager
@@ -690,6 +746,9 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, *, fas
     report, config, cls, stock = inspect_converted(path)
     directory = ModelDir(path)
     if stock:
+        if report.structure.tied_heads:  # their row means are never in a stock file: it was not written by normfold
+            raise CheckpointError(f"{path}: normfold.json records tied heads (nn.TiedHead) but the weights are in the "
+                                  f"stock {STOCK_WEIGHTS}, which cannot hold them; the checkpoint was altered")
         model = cls.from_pretrained(path, dtype=torch_dtype or "auto")
         apply_structure(model, report.structure)
     else:

@@ -27,6 +27,9 @@ class ConvertOptions:
     allow_new_bias: let a reader without a bias grow one to absorb β (breaks stock reloading); by default
         β stays in the RMSNorm when some reader has no bias.
     pad: Pre-CRMSNorm only: keep width d with a zero last coordinate instead of d−1 (every shape kept).
+    untie: give a head tied to an edited embedding table its own copy of the table (the plain
+        `transformers` form, stock-reloadable, V×d more parameters). By default the tie is kept: the head
+        becomes an `nn.TiedHead` reading the centred table plus its row means (loads with normfold.load).
     variant_options: options of the target itself (e.g. UnifiedNorm's M, warmup; `--option KEY=VALUE`).
     """
 
@@ -35,6 +38,7 @@ class ConvertOptions:
     fold_final: bool = False
     allow_new_bias: bool = False
     pad: bool = False
+    untie: bool = False
     variant_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -52,6 +52,8 @@ class Structure:
     # Residual-stream rotation (normfold.rotate): {"kind", "seed", "streams": [{"name", "width",
     # "construction"}]}; the weights carry it, this records how to rebuild Q. Empty: not rotated.
     rotation: dict = field(default_factory=dict)
+    # heads kept tied to a centred embedding table (nn.TiedHead): {"head", "table", "scale", "bias"}
+    tied_heads: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,7 +74,22 @@ class Structure:
         return cls(norms=norms, recenter_after=list(d.get("recenter_after", [])),
                    recenter_before=list(d.get("recenter_before", [])), added_bias=list(d.get("added_bias", [])),
                    untied=list(d.get("untied", [])), compression=dict(compression),
-                   rotation=dict(d.get("rotation", {})))
+                   rotation=dict(d.get("rotation", {})), tied_heads=_tied_heads(d.get("tied_heads", [])))
+
+
+def _tied_heads(value) -> list[dict]:
+    """The `tied_heads` records of a saved report, checked (normfold.json is untrusted input)."""
+    keys = {"head": str, "table": str, "scale": bool, "bias": bool}
+    if not isinstance(value, list):
+        raise ValueError("structure.tied_heads must be a list")
+    out = []
+    for item in value:
+        if not isinstance(item, dict) or set(item) != set(keys) or any(
+                not isinstance(item[k], t) for k, t in keys.items()):
+            raise ValueError(f"structure.tied_heads entries are {{'head': str, 'table': str, 'scale': bool, "
+                             f"'bias': bool}}; got {item!r}")
+        out.append(dict(item))
+    return out
 
 
 @dataclass
@@ -101,6 +118,18 @@ class ConversionReport:
     def converted(self) -> list[NormRecord]:
         return self.structure.norms
 
+    def reload(self) -> dict:
+        """Which loaders read the saved checkpoint and compute the converted function."""
+        if self.stock_reloadable:
+            how = ("plain transformers (from_pretrained) loads model.safetensors; normfold.load adds normfold's "
+                   "norm modules")
+        else:
+            how = "normfold.load only (normfold_model.safetensors; stock from_pretrained refuses it)"
+            if self.structure.tied_heads:
+                how += ("; a tied head is kept tied to the centred table (nn.TiedHead), which stock transformers "
+                        "cannot express: --untie / untie=True writes the stock-reloadable form")
+        return {"stock_transformers": self.stock_reloadable, "normfold_load": True, "how": how}
+
     def to_dict(self) -> dict[str, Any]:
         from ._version import __version__
 
@@ -128,6 +157,7 @@ class ConversionReport:
             "seconds": self.seconds,
             "size": self.size,
             "weight_files": self.weight_files,
+            "reload": self.reload(),
         }
 
     def to_json(self) -> str:

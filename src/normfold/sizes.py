@@ -11,6 +11,11 @@ def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the distinct parameters (a tied tensor counts once) in their own dtypes."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def stream_widths(model: nn.Module) -> dict[str, int]:
     """Width of each residual stream: from a Pre-CRMSNorm model's compression record, else the config's
     hidden size (d_model / n_embd; per tower for dual-tower configs)."""
@@ -53,19 +58,20 @@ def _compressed(model: nn.Module) -> bool:
     return bool(report is not None and report.structure.compression)
 
 
-def measure(model: nn.Module) -> tuple[int, dict[str, int], dict[str, int], bool]:
-    return parameter_count(model), stream_widths(model), full_widths(model), _compressed(model)
+def measure(model: nn.Module) -> tuple[int, dict[str, int], dict[str, int], bool, int]:
+    return parameter_count(model), stream_widths(model), full_widths(model), _compressed(model), weight_bytes(model)
 
 
 def size_report(before: nn.Module | tuple, after: nn.Module) -> dict:
     """`before` is a model or `measure(model)` taken before an in-place conversion. Streams are named
     as in the compression record (the config's hidden size says nothing about e.g. ELECTRA's
     narrower embedding stream)."""
-    b, wb, fb, cb = before if isinstance(before, tuple) else measure(before)
-    a, wa, fa, ca = measure(after)
+    b, wb, fb, cb, bb = before if isinstance(before, tuple) else measure(before)
+    a, wa, fa, ca, ba = measure(after)
     if ca and not cb:  # compressed now, not before: the record knows the original widths
         wb = fa
     elif cb and not ca:  # decompressed: the old record knows the restored widths
         wa = fb
     return {"parameters": {"before": b, "after": a, "change": a - b},
+            "weight_bytes": {"before": bb, "after": ba, "change": ba - bb},
             "stream_width": {"before": wb, "after": wa}}

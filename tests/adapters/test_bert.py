@@ -11,6 +11,7 @@ from post_ln_checks import (
     assert_converted_exactly,
     assert_only_edited,
     assert_rows_centred,
+    assert_tied_head_keeps_the_original_matrix,
     assert_same_outputs,
     assert_stock_reload_matches,
     block_reasons_name_previous_norm,
@@ -48,15 +49,19 @@ def test_every_head_is_exact_in_float64_stream_included(head):
     assert expected in ref and "hidden_states[2]" in ref
 
 
-def test_only_embedding_tables_and_the_untied_decoder_are_edited():
+def test_only_embedding_tables_and_the_tied_decoder_are_edited():
     model = build(BertConfig, transformers.BertForPreTraining, **CFG)
     conv, report = convert64(model)
     emb = conv.bert.embeddings
     for table in (emb.word_embeddings, emb.position_embeddings, emb.token_type_embeddings):
         assert_rows_centred(table.weight)
-    # the decoder keeps the original (uncentred) word table: untied, not edited
-    assert conv.cls.predictions.decoder.weight is not emb.word_embeddings.weight
-    assert torch.equal(conv.cls.predictions.decoder.weight, model.bert.embeddings.word_embeddings.weight)
+    # the decoder stays tied to the centred word table and adds back its row means (nn.TiedHead)
+    assert_tied_head_keeps_the_original_matrix(conv.cls.predictions.decoder, emb.word_embeddings,
+                                               model.bert.embeddings.word_embeddings.weight)
+    assert conv.cls.predictions.bias is conv.cls.predictions.decoder.bias  # the bias pair stays shared too
+    untied, _ = convert64(model, untie=True)  # the plain form: the decoder keeps the original table
+    assert untied.cls.predictions.decoder.weight is not untied.bert.embeddings.word_embeddings.weight
+    assert torch.equal(untied.cls.predictions.decoder.weight, model.bert.embeddings.word_embeddings.weight)
     assert_only_edited(model, conv, {"bert.embeddings."})
     ln = model.bert.embeddings.LayerNorm
     assert torch.equal(emb.LayerNorm.weight, ln.weight) and torch.equal(emb.LayerNorm.bias, ln.bias)

@@ -9,6 +9,7 @@ from post_ln_checks import (
     assert_converted_exactly,
     assert_only_edited,
     assert_rows_centred,
+    assert_tied_head_keeps_the_original_matrix,
     assert_same_outputs,
     assert_stock_reload_matches,
     block_reasons_name_previous_norm,
@@ -45,7 +46,9 @@ def test_kept_reasons_and_edits():
     reasons = {k["name"]: k["reason"] for k in report.kept}
     assert "vocab_transform" in reasons["vocab_layer_norm"]
     assert_only_edited(model, conv, {"distilbert.embeddings."})
-    assert torch.equal(conv.vocab_projector.weight, model.vocab_projector.weight)  # untied, not centred
+    # the projector stays tied to the centred word table (nn.TiedHead adds back the row means)
+    assert_tied_head_keeps_the_original_matrix(conv.vocab_projector, conv.distilbert.embeddings.word_embeddings,
+                                               model.vocab_projector.weight)
 
 
 def test_sinusoidal_positions_are_centred_and_survive_a_stock_reload(tmp_path):

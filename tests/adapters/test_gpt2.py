@@ -105,7 +105,13 @@ def test_structure_after_conversion():
     assert not any(isinstance(m, torch.nn.LayerNorm) for m in conv.modules())
     assert isinstance(t.h[0].ln_1, RMSNorm) and t.h[0].ln_1.weight is None and t.h[0].ln_1.bias is None
     assert t.ln_f.weight is not None and t.ln_f.bias is not None  # final norm keeps its affine
-    assert conv.lm_head.weight is not t.wte.weight and conv.config.tie_word_embeddings is False
+    # the tie is kept: the head reads the centred table itself (plus its row means)
+    assert conv.lm_head.weight is t.wte.weight and conv.config.tie_word_embeddings is True
+    assert report.structure.tied_heads == [{"head": "lm_head", "table": "transformer.wte", "scale": False,
+                                            "bias": False}]
+    untied, report_u = normfold.convert(model, verify=False, untie=True)  # the plain-transformers form
+    assert untied.lm_head.weight is not untied.transformer.wte.weight and untied.config.tie_word_embeddings is False
+    assert report_u.stock_reloadable and not report.stock_reloadable
     # the stream is zero-mean: every writer is centred
     ids = IDS
     with torch.no_grad():
@@ -132,7 +138,7 @@ def test_affine_stays_in_the_norm_when_a_reader_has_no_bias():
         old = blk.mlp.c_fc
         blk.mlp.c_fc = torch.nn.Linear(old.weight.shape[0], old.weight.shape[1], bias=False, dtype=torch.float64)
         blk.mlp.c_fc.weight.data.copy_(old.weight.T)
-    conv, report = normfold.convert(model, verify=False)
+    conv, report = normfold.convert(model, verify=False, untie=True)
     ln2 = conv.transformer.h[0].ln_2
     assert ln2.weight is not None and ln2.bias is not None
     assert conv.transformer.h[0].ln_1.weight is None  # ln_1's reader c_attn has a bias: folded
@@ -146,11 +152,13 @@ def test_affine_stays_in_the_norm_when_a_reader_has_no_bias():
     assert rel_err(outputs(conv2, IDS)["logits"], outputs(model, IDS)["logits"]) <= 1e-9
 
 
-def test_fold_final_into_untied_lm_head():
+@pytest.mark.parametrize("untie", [False, True])
+def test_fold_final_into_lm_head(untie):
     model = make(GPT2LMHeadModel, "tied-small", torch.float64)
-    conv, report = normfold.convert(model, fold_final=True, allow_new_bias=True)
+    conv, report = normfold.convert(model, fold_final=True, allow_new_bias=True, untie=untie)
     assert conv.transformer.ln_f.weight is None and conv.transformer.ln_f.bias is None
     assert conv.lm_head.bias is not None
+    assert (conv.lm_head.weight is conv.transformer.wte.weight) is not untie
     assert rel_err(outputs(conv, IDS)["logits"], outputs(model, IDS)["logits"]) <= 1e-9
     assert report.verification["passed"]
 

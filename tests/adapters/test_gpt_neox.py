@@ -60,13 +60,16 @@ def test_fused_qkv_folding_depends_on_attention_bias(bias):
     assert conv.gpt_neox.layers[0].post_attention_layernorm.weight is None
 
 
-def test_tied_embeddings_are_untied_and_eps_carried():
+def test_tied_embeddings_stay_tied_and_eps_carried():
     model = make(GPTNeoXConfig, GPTNeoXForTokenClassification, tie_word_embeddings=True, layer_norm_eps=1e-6, **CFG)
     conv, _ = assert_exact(model, INPUTS)
     assert {m.eps for m in rmsnorms(conv).values()} == {1e-6}
     lm = make(GPTNeoXConfig, GPTNeoXForCausalLM, tie_word_embeddings=True, **CFG)
     assert lm.lm_head.weight is lm.gpt_neox.embed_in.weight
     conv, report = assert_exact(lm, INPUTS)
+    assert conv.lm_head.weight is conv.gpt_neox.embed_in.weight and conv.config.tie_word_embeddings is True
+    assert report.structure.untied == [] and report.structure.tied_heads[0]["head"] == "lm_head"
+    conv, report = assert_exact(lm, INPUTS, untie=True)  # the plain form
     assert conv.lm_head.weight is not conv.gpt_neox.embed_in.weight and conv.config.tie_word_embeddings is False
     assert "lm_head.weight" in report.structure.untied
 

@@ -42,7 +42,7 @@ def test_structure():
     assert not report.stock_reloadable
     site = next(s for s in get_adapter("mbart").plan(model).streams[0].norms if s.path == "model.encoder.layer_norm")
     assert site.final and len(site.readers) == 2 * 2 and all("encoder_attn" in r for r in site.readers)
-    assert conv.lm_head.weight is not conv.model.decoder.embed_tokens.weight
+    assert conv.lm_head.weight is conv.model.decoder.embed_tokens.weight  # kept tied (nn.TiedHead)
     assert rel_err(logits(conv), logits(model)) <= 1e-9
 
 
@@ -64,7 +64,7 @@ def test_embedding_norms_without_weight_stay_stock_reloadable(tmp_path):
     model = make()
     for tower in (model.model.encoder, model.model.decoder):
         tower.layernorm_embedding.register_parameter("weight", None)  # n + β: zero-mean once β is centred
-    conv, report = normfold.convert(model, verify=False)
+    conv, report = normfold.convert(model, verify=False, untie=True)  # untied: the stock form
     assert report.stock_reloadable and report.structure.recenter_after == []
     assert "model.decoder.layernorm_embedding.bias" in report.centered
     normfold.save(conv, report, tmp_path / "out")

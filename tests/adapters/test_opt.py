@@ -50,7 +50,9 @@ def test_pre_ln_structure():
     layer = conv.model.decoder.layers[0]
     assert layer.self_attn_layer_norm.weight is None and layer.final_layer_norm.weight is None
     assert set(report.centered) >= {"model.decoder.embed_tokens", "model.decoder.embed_positions"}
-    assert conv.lm_head.weight is not conv.model.decoder.embed_tokens.weight  # centring the table unties it
+    # the table is centred; the head stays tied to it and adds back the row means (nn.TiedHead)
+    assert conv.lm_head.weight is conv.model.decoder.embed_tokens.weight
+    assert [t["head"] for t in report.structure.tied_heads] == ["lm_head"] and not report.stock_reloadable
     assert_stream_zero_mean(conv, INPUTS)
 
 

@@ -48,9 +48,12 @@ def test_structure():
     assert "model.encoder.embed_positions" not in report.centered
     assert {"model.decoder.embed_tokens", "model.decoder.embed_positions",
             "model.decoder.layers.1.encoder_attn.out_proj"} <= set(report.centered)
-    # proj_out was tied to embed_tokens: centring the table untied them
-    assert conv.proj_out.weight is not dec.embed_tokens.weight and not conv.config.tie_word_embeddings
-    assert torch.equal(conv.proj_out.weight, model.proj_out.weight)
+    # proj_out was tied to embed_tokens: it stays tied to the centred table (nn.TiedHead adds the row means)
+    assert conv.proj_out.weight is dec.embed_tokens.weight and conv.config.tie_word_embeddings
+    assert torch.allclose(conv.proj_out.weight + conv.proj_out.mean[:, None], model.proj_out.weight)
+    untied, _ = normfold.convert(model, verify=False, untie=True)  # the plain-transformers form
+    assert untied.proj_out.weight is not untied.model.decoder.embed_tokens.weight
+    assert torch.equal(untied.proj_out.weight, model.proj_out.weight)
     cross_ln = dec.layers[0].encoder_attn_layer_norm
     assert isinstance(cross_ln, RMSNorm) and cross_ln.weight is None
     assert enc.layer_norm.weight is not None and dec.layer_norm.weight is not None  # final norms keep their affine

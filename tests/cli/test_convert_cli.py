@@ -47,7 +47,10 @@ def test_convert_writes_a_verified_checkpoint(tiny_dir, tmp_path, capsys):
     rep = json.loads((out / "normfold.json").read_text())
     assert rep["verification"]["passed"] and rep["verification"]["fp64"]["max_rel_error"] <= 1e-9
     assert rep["source"]["model"] == str(tiny_dir)
-    assert (out / "model.safetensors").exists() and (out / "config.json").exists()
+    # the tiny GPT-2 is tied: the head stays tied to the centred table, a normfold-only checkpoint
+    assert (out / "normfold_model.safetensors").exists() and (out / "config.json").exists()
+    assert rep["structure"]["tied_heads"] and "stock transformers: no; normfold.load: yes" in stdout
+    assert "parameters" in stdout and "weight bytes" in stdout and "on disk" in stdout
 
 
 def test_json_output(tiny_dir, capsys):
@@ -169,9 +172,10 @@ def test_verify_command(tiny_dir, tmp_path, capsys):
     # a corrupted conversion is caught
     from safetensors.torch import load_file, save_file
 
-    sd = load_file(out / "model.safetensors")
+    weights = out / "normfold_model.safetensors"  # tied head kept: normfold's file name
+    sd = load_file(weights)
     sd["transformer.h.1.mlp.c_proj.weight"] += 0.01
-    save_file(sd, out / "model.safetensors")
+    save_file(sd, weights)
     code, stdout, _ = run_cli(["verify", tiny_dir, out, "-q"], capsys)
     assert code == 1 and "FAIL" in stdout
 

@@ -54,6 +54,24 @@ def test_streamed_bytes_equal_in_memory(tmp_path, family, head):
         assert a[key] == b[key], key
 
 
+def test_sharded_bf16_tied_head_kept_equals_in_memory(tmp_path, monkeypatch):
+    """The default keeps lm_head tied (nn.TiedHead): one normfold_model.safetensors, byte-identical to the
+    in-memory conversion, no lm_head.weight copy, and normfold.load computes the in-memory logits."""
+    monkeypatch.setattr(stream_mod, "CHUNK_BYTES", 2048)
+    example = get_adapter("gpt2").examples[0]
+    src = make_checkpoint(example, "GPT2LMHeadModel", tmp_path / "src", dtype=torch.bfloat16, shard="8KB")
+    conv, mem_report = _in_memory(src, tmp_path / "mem")
+    report = _streamed(src, tmp_path / "st")
+    assert report.structure.tied_heads == mem_report.structure.tied_heads != []
+    assert tensors_bytes(tmp_path / "mem") == tensors_bytes(tmp_path / "st")
+    names = set(tensors_bytes(tmp_path / "st"))
+    assert "lm_head.mean" in names and "lm_head.weight" not in names
+    loaded = normfold.load(tmp_path / "st")
+    ids = torch.randint(0, example.kwargs.get("vocab_size", 50), (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, conv(input_ids=ids).logits)
+
+
 def test_sharded_bf16_chunked_loads_stock(tmp_path, monkeypatch):
     """A sharded bf16 source (tied embeddings across shards), big writers centred in row chunks: tensors equal
     the in-memory conversion's, stay bf16, and stock from_pretrained computes the same logits."""
@@ -63,8 +81,8 @@ def test_sharded_bf16_chunked_loads_stock(tmp_path, monkeypatch):
     example = get_adapter("gpt2").examples[0]
     src = make_checkpoint(example, "GPT2LMHeadModel", tmp_path / "src", dtype=torch.bfloat16, shard="8KB")
     assert len(weight_files(src)) > 2
-    conv, _ = _in_memory(src, tmp_path / "mem")
-    _streamed(src, tmp_path / "st")
+    conv, _ = _in_memory(src, tmp_path / "mem", untie=True)  # untied: the stock form (a kept tie is normfold-only)
+    _streamed(src, tmp_path / "st", untie=True)
     assert len(weight_files(tmp_path / "st")) > 2 and (tmp_path / "st" / "model.safetensors.index.json").is_file()
     mem, st = tensors_bytes(tmp_path / "mem"), tensors_bytes(tmp_path / "st")
     assert mem == st
@@ -167,7 +185,7 @@ def test_in_memory_save_is_repeatable(tmp_path):
             "c, r = normfold.convert(m, verify=False); normfold.save(c, r, sys.argv[2])")
     for out in ("a", "b", "c"):  # separate processes: the HashMap seed differs per process
         subprocess.run([sys.executable, "-c", code, str(src), str(tmp_path / out)], check=True, capture_output=True)
-    files = [(tmp_path / out / "model.safetensors").read_bytes() for out in ("a", "b", "c")]
+    files = [(tmp_path / out / "normfold_model.safetensors").read_bytes() for out in ("a", "b", "c")]
     assert files[0] == files[1] == files[2]
 
 

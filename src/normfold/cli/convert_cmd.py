@@ -39,6 +39,11 @@ turns a Pre-RMSNorm / Pre-CRMSNorm one back into the stock Pre-LN architecture (
 
 The result loads with plain transformers (AutoModelForCausalLM.from_pretrained(DIR)) where the
 report says stock_reloadable, and with normfold.load(DIR) to get normfold's fast RMSNorm kernels.
+A tied embedding/head (GPT-2, OPT, Whisper, ...) stays one tensor: centring the table E' = E - m1^T
+(m the row means), the head computes the original logits as h E'^T + (sum h) m, so the model grows
+by one vector (m) instead of a vocab x d copy; such a checkpoint loads with normfold.load only.
+--untie writes the untied plain-transformers form instead. The summary states the size change
+(parameters, weight bytes, files on disk) and which loader reads the result.
 """
 
 EPILOG = """\
@@ -47,6 +52,7 @@ examples:
   normfold convert ./my-dinov2 --out ./dinov2-rms     no adapter: the plan normfold analyze derives
   normfold convert ./gpt2 --out ./gpt2-rms --auto     the derived plan although GPT-2 has an adapter
   normfold convert ./gpt2 --out ./gpt2-rms --force    replace an existing output directory
+  normfold convert ./gpt2 --out ./gpt2-rms --untie    untied head: plain transformers reloads it (+vocab x d)
   normfold convert ./gpt2 --out ./gpt2-rms --dtype bfloat16 --json > report.json
   normfold convert --to crmsnorm --out ./kjv-crms     Pre-CRMSNorm, d-1 stream (--pad: d, zero last)
   normfold convert ./kjv-crms --to layernorm --out ./kjv-ln   back to the stock Pre-LN architecture
@@ -80,6 +86,10 @@ def add_parser(sub) -> None:
                         "last hidden state then lacks the affine)")
     p.add_argument("--allow-new-bias", action="store_true",
                    help="let readers without a bias grow one to absorb the norm's shift (not stock-reloadable)")
+    p.add_argument("--untie", action="store_true",
+                   help="give a head tied to the embedding table its own copy of the table: the plain transformers "
+                        "form that stock from_pretrained reloads (vocab x d more parameters). By default the tie is "
+                        "kept (the head reads the centred table plus its row means; loads with normfold.load)")
     p.add_argument("--pad", action="store_true",
                    help="--to crmsnorm: keep every tensor d-wide with a zero last stream coordinate instead of d-1 "
                         "(paper 001 §3.4.2, for hardware that handles d-1 poorly)")
@@ -138,7 +148,6 @@ def text_inputs(model_dir, text: str) -> dict:
     return {"input_ids": ids}
 
 
-text_inputs = _text_inputs  # the public name other subcommands import (normfold export)
 
 
 def parse_options(pairs: list[str]) -> dict:
@@ -191,6 +200,9 @@ def _run_in_memory(args) -> int:
     options = parse_options(args.option)
     if args.pad and args.to != "crmsnorm":
         raise NormfoldError("--pad applies to --to crmsnorm only")
+    if getattr(args, "untie", False) and args.to != "rmsnorm":
+        raise NormfoldError("--untie applies to --to rmsnorm only (--to crmsnorm checkpoints load with normfold.load "
+                            "only and keep the tie on the compressed table)")
     steps = Steps(total=3 if args.dry_run else 4, quiet=args.quiet)
 
     steps.start("load", f"loading {args.model or 'the bundled default model (kjv-gpt2)'}")
@@ -224,7 +236,8 @@ def _run_in_memory(args) -> int:
                                 allow_new_bias=args.allow_new_bias, adapter=adapter, inputs=inputs,
                                 fp64_tol=args.fp64_tol, progress=progress, variant_options=options,
                                 pad=bool(args.pad), rotate=args.rotate, rotate_seed=args.rotate_seed,
-                                rotate_online=args.rotate_online)
+                                rotate_online=args.rotate_online,
+                                untie=getattr(args, "untie", False))
     report.source = source
     v = report.verification
     # A variant that is not output-exact (--to un) has nothing to verify: its report says so.
@@ -235,6 +248,11 @@ def _run_in_memory(args) -> int:
     if not args.dry_run and (passed or args.save_failed):
         steps.start("save", f"writing {args.out}")
         written = io.save(converted, report, args.out, force=args.force, source_dir=source["path"])
+        disk = io.weight_file_bytes(source["path"]) if source.get("path") else 0
+        if disk:
+            after = io.weight_file_bytes(written)
+            report.size["disk_bytes"] = {"before": disk, "after": after, "change": after - disk}
+            io.rewrite_report(written, report)
     steps.end()
     report.seconds.update({k: round(v, 3) for k, v in steps.times.items()})
 
@@ -294,12 +312,19 @@ def _load(model, dtype, trust_remote_code=False):
     return io.load_source(model, dtype=dtype, trust_remote_code=trust_remote_code)
 
 
+def _change(d: dict, unit: str = "") -> str:
+    pct = 100 * d["change"] / d["before"] if d["before"] else 0.0
+    return f"{d['before']:,}{unit} -> {d['after']:,}{unit} ({d['change']:+,}{unit}, {pct:+.2f}%)"
+
+
 def _size_rows(size: dict) -> list[list[str]]:
     if not size:
         return []
-    p = size["parameters"]
-    pct = 100 * p["change"] / p["before"] if p["before"] else 0.0
-    rows = [["parameters", f"{p['before']:,} -> {p['after']:,} ({p['change']:+,}, {pct:+.2f}%)"]]
+    rows = [["parameters", _change(size["parameters"])]]
+    if size.get("weight_bytes"):
+        rows.append(["weight bytes", _change(size["weight_bytes"], " B")])
+    if size.get("disk_bytes"):
+        rows.append(["on disk", _change(size["disk_bytes"], " B") + " (weight files)"])
     w = size.get("stream_width", {})
     if w.get("after"):
         rows.append(["stream width", ", ".join(f"{k} {w['before'].get(k, '?')} -> {v}" for k, v in w["after"].items())])
@@ -320,8 +345,10 @@ def summary(report, written, args) -> str:
                    + (f" ({', '.join(kept_affine[:3])}{', ...' if len(kept_affine) > 3 else ''})" if kept_affine else "")],
         ["tensors edited", f"{report.tensors_edited} ({len(report.centered)} writers centred, "
                            f"{len(report.structure.untied)} tied parameters untied)"],
-        ["stock reload", "yes: plain transformers loads the checkpoint" if report.stock_reloadable
-         else "no: load with normfold.load (see notes)"],
+        ["reload", ("stock transformers: yes (from_pretrained); normfold.load: yes" if report.stock_reloadable
+                    else "stock transformers: no; normfold.load: yes"
+                    + (" (tied head kept; --untie for a stock-reloadable checkpoint)"
+                       if report.structure.tied_heads else " (see notes)"))],
     ]
     rows += _size_rows(report.size)
     lines.append(table(rows))

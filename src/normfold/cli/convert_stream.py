@@ -97,11 +97,12 @@ def run_streamed(args, source_dir: Path, summarize=None) -> int:
         with staged(out, args.force) as tmp:
             report = stream_convert(source_dir, tmp, to=args.to, keep_affine=args.keep_affine,
                                     fold_final=args.fold_final, allow_new_bias=args.allow_new_bias,
-                                    progress=steps.note)
+                                    untie=getattr(args, "untie", False), progress=steps.note)
             steps.start("verify", "verifying")
             verify_streamed(source_dir, tmp, report, fp64_tol=args.fp64_tol, seed=args.seed,
                              fold_final=args.fold_final, keep_affine=args.keep_affine,
-                             allow_new_bias=args.allow_new_bias, progress=steps.note)
+                             allow_new_bias=args.allow_new_bias, untie=getattr(args, "untie", False),
+                             progress=steps.note)
             v = report.verification
             if v.get("performed", True) and not v["passed"] and not args.save_failed:
                 blocks = (v.get("blockwise") or {}).get("failed_blocks") or []
@@ -111,6 +112,9 @@ def run_streamed(args, source_dir: Path, summarize=None) -> int:
                                               "anyway)")
     steps.end()
     report.seconds.update({k: round(t, 3) for k, t in steps.times.items()})
+    before, after = io.weight_file_bytes(source_dir), io.weight_file_bytes(out)
+    if before:
+        report.size["disk_bytes"] = {"before": before, "after": after, "change": after - before}
     (out / io.REPORT_FILE).write_text(report.to_json() + "\n")
     if args.json:
         print(report.to_json())
@@ -165,7 +169,7 @@ def staged(out: Path, force: bool):
 
 def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float = 1e-9, seed: int = 0,
                      fold_final: bool = False, keep_affine: bool = False, allow_new_bias: bool = False,
-                     progress=None) -> None:
+                     untie: bool = False, progress=None) -> None:
     """Verify a streamed output: sources up to VERIFY_IN_MEMORY_BYTES in memory exactly as `normfold convert`
     verifies them, larger ones block by block in bounded memory (`normfold.stream.blockverify`, same
     tolerances). Updates `report` and normfold.json."""
@@ -191,7 +195,8 @@ def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float 
         converted = io.load(out_dir)
         adapter = find_adapter(original)
         variant = VARIANTS[report.variant]
-        options = ConvertOptions(keep_affine=keep_affine, fold_final=fold_final, allow_new_bias=allow_new_bias)
+        options = ConvertOptions(keep_affine=keep_affine, fold_final=fold_final, allow_new_bias=allow_new_bias,
+                                 untie=untie)
 
         def reconvert(m):
             scratch = ConversionReport(variant=report.variant, adapter=adapter.name, architecture="", dtype="",

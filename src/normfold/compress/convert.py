@@ -22,6 +22,7 @@ zero instead (writers' last output row and bias entry, readers' last input colum
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 
@@ -224,7 +225,8 @@ def apply_crmsnorm(model: nn.Module, plan: ConversionPlan, options, report) -> N
             f"({on_stream[0]}, ...) next to LayerNorms that stay LayerNorms ({plan.kept[0].path}); the stream they "
             "build is not a sum of compressible writers, so it cannot be compressed. Use --to rmsnorm.")
     aliases = _aliases(model)
-    apply_rmsnorm(model, plan, options, report)
+    # untied first (the d-wide head reads the decompressed final norm); retie_heads re-ties what it can
+    apply_rmsnorm(model, plan, dataclasses.replace(options, untie=True), report)
     report.structure.compression = compress(model, plan, report, pad=pad)
     report.structure.compression["tied_heads"] = retie_heads(model, plan, aliases, report.structure.compression)
     report.stock_reloadable = False

@@ -6,7 +6,8 @@
   last input column (App. C step 3 with a_d = 0), StreamCRMSNorm → RMSNorm, the recentre-and-compress
   hooks → Recenter, a tied compressed head → a Linear holding the full table (E' decompressed + m).
 - `to_layernorm(model)`: Pre-RMSNorm → Pre-LN: every RMSNorm → LayerNorm with the same eps (γ = 1 /
-  β = 0 where the affine was folded away), explicit Recenters removed (every reader of the stream
+  β = 0 where the affine was folded away), a head kept tied to the centred table (nn.TiedHead) → the
+  stock tied head again (the table gets its row means back; see `untie_heads`), explicit Recenters removed (every reader of the stream
   is now a LayerNorm, which ignores the per-token mean). The result is the stock architecture:
   `save` writes `model.safetensors` that plain transformers loads.
 
@@ -28,7 +29,7 @@ from ..adapters import find_adapter
 from ..adapters.base import get, parent_and_leaf
 from ..errors import UnsupportedConversionError
 from ..modelinfo import working_dtype
-from ..nn import RMSNorm
+from ..nn import RMSNorm, TiedHead
 from ..nn.hooks import add_input_recenter, add_output_recenter
 from ..report import ConversionReport, Structure
 from ..sizes import measure, size_report
@@ -116,10 +117,46 @@ def decompress(model: nn.Module) -> nn.Module:
     return model
 
 
+def untie_heads(model: nn.Module, structure: Structure) -> None:
+    """Every nn.TiedHead → a stock head, for the Pre-LN model (`to_layernorm`).
+
+    Where the head holds nothing but the row means (no folded γ, no bias the stock head lacks), the tie
+    is restored: the table gets its row means back (E' + μ1ᵀ, float64, rounded once) and the head
+    becomes a plain nn.Linear sharing it. That adds μ_v to every coordinate of token v's embedding, a
+    per-token constant that every reader of the Pre-LN stream (a LayerNorm) ignores, so logits and
+    normalized outputs are unchanged and the raw hidden states change by a per-token constant only.
+    Otherwise the head becomes an untied nn.Linear holding (E' + μ1ᵀ)·diag γ."""
+    from ..convert import disable_weight_tying
+
+    heads = [(n, m) for n, m in model.named_modules() if isinstance(m, TiedHead)]
+    untied = False
+    for name, head in heads:
+        parent, leaf = parent_and_leaf(model, name)
+        if head.scale is None and name not in structure.added_bias:
+            table = head._table
+            with torch.no_grad():
+                full = table.weight.detach().double() + head.mean.detach().double()[:, None]
+                table.weight.copy_(full.to(table.weight.dtype))
+            w = table.weight
+            lin = nn.Linear(w.shape[1], w.shape[0], bias=head.bias is not None, dtype=w.dtype, device=w.device)
+            lin.weight = w  # tied again
+            if head.bias is not None:
+                lin.bias = head.bias  # the same Parameter (aliases such as RoBERTa's lm_head.bias stay shared)
+            setattr(parent, leaf, lin)
+        else:
+            setattr(parent, leaf, head.untied_linear())
+            structure.untied += [f"{name}.weight"]
+            untied = True
+    if untied:
+        disable_weight_tying(model)
+    structure.tied_heads = []
+
+
 def to_layernorm(model: nn.Module) -> nn.Module:
     """Pre-RMSNorm → Pre-LN in place: RMSNorm → LayerNorm (same eps), Recenters removed."""
     structure = _structure(model) if getattr(model, "normfold_report", None) is not None else Structure()
     records = {r.name: r for r in structure.norms}
+    untie_heads(model, structure)
     for name, module in list(model.named_modules()):
         if type(module) is not RMSNorm:
             continue

@@ -6,6 +6,7 @@ from torch import nn
 
 from .norm_linear import NormLinear
 from .norms import AddCRMSNorm, AddRMSNorm, CRMSNorm, Recenter, RMSNorm
+from .tied import TiedHead
 from .offline import METHODS, FixedAffine, FoldedNorm, Method, OfflineNorm, UnifiedNorm, padding, reset_steps
 
 # Norm classes a saved report may name (normfold.load looks them up here); later modules register more.
@@ -29,4 +30,4 @@ for _cls in (OfflineNorm, UnifiedNorm, FixedAffine, FoldedNorm):
 
 __all__ = ["RMSNorm", "CRMSNorm", "AddRMSNorm", "AddCRMSNorm", "Recenter", "NormLinear", "NORM_TYPES", "register_norm_type",
            "norm_type", "OfflineNorm", "UnifiedNorm", "Method", "METHODS", "FixedAffine", "FoldedNorm", "padding",
-           "reset_steps"]
+           "reset_steps", "TiedHead"]

@@ -42,7 +42,9 @@ from ..adapters.base import get, parent_and_leaf
 from ..algebra import layout_of
 from ..options import ConvertOptions, resolve as resolve_options
 from ..convert import (VARIANTS, kept_norms, will_fold, center_writer_at, centered_outputs,
-                       fold_scales, layernorm_names, swap_norm, untie, edited_params)
+                       fold_scales, layernorm_names, swap_norm, tied_head_shift, edited_params)
+from ..convert import untie as untie_params
+from ..nn import TiedHead
 from ..errors import CheckpointError, NonFiniteWeightsError, NormfoldError
 from ..modelinfo import working_dtype
 from ..report import ConversionReport
@@ -178,8 +180,8 @@ def source_names(model: nn.Module, source: Source) -> dict[str, str]:
 
 @dataclass
 class Edit:
-    kind: str  # "scale" | "center" | "swap"
-    arg: object  # (writer, scale) pair | writer path | NormSite
+    kind: str  # "scale" | "center" | "swap" | "tieprep" | "tiedhead"
+    arg: object  # (writer, scale) pair | writer path | NormSite | TieEdit
     modules: list[str]  # paths of the modules / parameters it changes
     params: list[str]  # parameter names it reads
 
@@ -198,9 +200,37 @@ def _param_names(model: nn.Module, path: str) -> list[str]:
     return [f"{path}.{n}" for n, _ in obj.named_parameters(recurse=False)] if isinstance(obj, nn.Module) else []
 
 
-def plan_edits(model: nn.Module, plan, options: ConvertOptions) -> list[Edit]:
-    """apply_rmsnorm's edits, in its order (scale folds, writers, norms; stream by stream)."""
-    edits = []
+@dataclass(frozen=True)
+class TieEdit:
+    """A head kept tied to a centred table (report.structure.tied_heads), with the norm whose γ it holds."""
+
+    head: str
+    table: str
+    norm: str | None  # the norm site whose γ was folded into the head (its `scale`), else None
+
+
+def tie_edits(model: nn.Module, plan, tied_heads: list[dict]) -> tuple[list[Edit], list[Edit]]:
+    """For each tied head: an edit before every other one (the original table's row means and the norm's γ,
+    read before centring and folding change them) and one after (the TiedHead built from the centred table).
+    Both share the table's parameters with its centring, so all three run in one component."""
+    first, last = [], []
+    sites = {r: site.path for st in plan.streams for site in st.norms for r in site.readers}
+    for rec in tied_heads:
+        norm = sites.get(rec["head"]) if rec["scale"] else None
+        arg = TieEdit(rec["head"], rec["table"], norm)
+        table_params = _param_names(model, rec["table"])
+        first.append(Edit("tieprep", arg, [rec["table"]] + ([norm] if norm else []),
+                          table_params + (_param_names(model, norm) if norm else [])))
+        head_params = [n for n in _param_names(model, rec["head"]) if n.endswith(".bias")]
+        last.append(Edit("tiedhead", arg, [rec["head"], rec["table"]], table_params + head_params))
+    return first, last
+
+
+def plan_edits(model: nn.Module, plan, options: ConvertOptions, tied_heads: list[dict] | None = None) -> list[Edit]:
+    """apply_rmsnorm's edits, in its order (scale folds, writers, norms; stream by stream), with the tied heads'
+    edits around them."""
+    first, last = tie_edits(model, plan, tied_heads or [])
+    edits = list(first)
     for stream in plan.streams:
         for pair in stream.scale_folds:
             paths = list(pair)
@@ -210,7 +240,7 @@ def plan_edits(model: nn.Module, plan, options: ConvertOptions) -> list[Edit]:
         for site in stream.norms:
             paths = [site.path] + (list(site.readers) if will_fold(site, options) else [])
             edits.append(Edit("swap", site, paths, [n for p in paths for n in _param_names(model, p)]))
-    return edits
+    return edits + last
 
 
 def components(edits: list[Edit]) -> list[Component]:
@@ -307,6 +337,7 @@ class Computer:
 
     def __init__(self, model: nn.Module, plan, options: ConvertOptions, source: Source, names: dict[str, str]):
         self.model, self.plan, self.options, self.source, self.names = model, plan, options, source, names
+        self.ties: dict[str, tuple] = {}  # head -> (original row means, γ or None), from its "tieprep" edit
 
     def _read(self, name: str) -> torch.Tensor:
         src = self.names[name]
@@ -341,6 +372,19 @@ class Computer:
             fold_scales(self.model, [e.arg for e in batch])
         elif kind == "center":
             center_writer_at(self.model, batch[0].arg)
+        elif kind == "tieprep":  # as convert.tie_groups reads them: before any edit
+            t = batch[0].arg
+            table = get(self.model, t.table).weight
+            gamma = get(self.model, t.norm).weight.detach().double().clone() if t.norm else None
+            self.ties[t.head] = (table.detach().double().mean(dim=-1), gamma)
+        elif kind == "tiedhead":  # as convert.keep_ties builds it
+            t = batch[0].arg
+            table = get(self.model, t.table)
+            means, gamma = self.ties.pop(t.head)
+            head = get(self.model, t.head)
+            parent, leaf = parent_and_leaf(self.model, t.head)
+            setattr(parent, leaf, TiedHead(table, tied_head_shift(means, table.weight),
+                                           None if gamma is None else gamma.to(table.weight.dtype), head.bias))
         else:
             swap_norm(self.model, batch[0].arg, will_fold(batch[0].arg, self.options), self.options)
 
@@ -427,13 +471,14 @@ def _batches(edits: list[Edit]) -> list[list[Edit]]:
 def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *, to: str | None = None,
                    options: ConvertOptions | None = None, keep_affine: bool | None = None,
                    fold_final: bool | None = None, allow_new_bias: bool | None = None, pad: bool | None = None,
+                   untie: bool | None = None,
                    progress: Progress | None = None) -> ConversionReport:
     """Convert the safetensors checkpoint in `source_dir` into `out_dir` (an existing empty directory)
     shard by shard. Writes the weights (sharded like the source when it is stock-reloadable, else one
     normfold_model.safetensors), config.json, the tokenizer/generation files and normfold.json.
     Verification is not run here (the report says so); see `normfold.cli.convert_stream.verify_streamed`."""
     options = resolve_options(options, "stream_convert", to=to, keep_affine=keep_affine, fold_final=fold_final,
-                              allow_new_bias=allow_new_bias, pad=pad)
+                              allow_new_bias=allow_new_bias, pad=pad, untie=untie)
     options = options.replace(keep_affine=bool(options.keep_affine))
     to = options.to
     say = progress or (lambda msg: None)
@@ -478,8 +523,8 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
 
     # pass 2: values, component by component, on the untransformed meta model
     values_model = copy.deepcopy(original)
-    untie(values_model, edited_params(values_model, plan, options))
-    comps = components(plan_edits(values_model, plan, options))
+    untie_params(values_model, edited_params(values_model, plan, options))
+    comps = components(plan_edits(values_model, plan, options, report.structure.tied_heads))
     owner = _owners(comps, outputs)
     computer = Computer(values_model, plan, options, source, names)
     files = _assign_files(source, report, outputs, owner, comps, names)

@@ -14,11 +14,14 @@ from .prepare import restore, state
 
 def export(model: nn.Module, out: str | os.PathLike, *, to: str | None = None, options: ConvertOptions | None = None,
            keep_affine: bool | None = None, fold_final: bool | None = None, allow_new_bias: bool | None = None,
-           force: bool = False, verify: bool = True, inputs: dict | None = None):
+           untie: bool | None = None, force: bool = False, verify: bool = True,
+           inputs: dict | None = None):
     """Write `out` exactly as `normfold convert` would for the LayerNorm model with the current θ:
     the model is copied, restored to its LayerNorm form and converted with `normfold.convert`
     (same variant as prepared unless `to` says otherwise, same folding options), verified, and
     saved with `normfold.save`. The prepared model is left as it is. Returns (converted, report).
+    A tied embedding/head stays tied (nn.TiedHead, loads with normfold.load) unless `untie=True` (the
+    untied plain-transformers form, stock-reloadable), as in `normfold.convert`.
 
     `options` / keywords (`normfold.ConvertOptions` fields) choose the checkpoint's form; by default the
     prepared target and fold_final, with convert's own default of folding every affine.
@@ -32,7 +35,7 @@ def export(model: nn.Module, out: str | os.PathLike, *, to: str | None = None, o
 
     st = state(model)
     options = resolve_options(options, "train.export", to=to or (options.to if options else st.to),
-                              keep_affine=keep_affine, allow_new_bias=allow_new_bias,
+                              keep_affine=keep_affine, allow_new_bias=allow_new_bias, untie=untie,
                               fold_final=st.fold_final if fold_final is None and options is None else fold_final)
     target = options.to
     if target not in VARIANTS:
