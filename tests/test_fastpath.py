@@ -121,6 +121,13 @@ def test_torch_export_of_fast_model(tmp_path):
         torch.testing.assert_close(ep.module()(x).logits, fast(x).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_bfloat16_writers_stay_plain(tmp_path):
+    _converted(tmp_path, "vit", "crmsnorm", dtype=torch.bfloat16)
+    fast = normfold.load(tmp_path / "crmsnorm")
+    assert not any(fastpath.is_padded(m) for m in fast.modules())
+    assert any(fastpath.is_fused(m) for m in fast.modules())
+
+
 def test_rmsnorm_models_get_no_padding(tmp_path):
     _converted(tmp_path, "gpt2", "rmsnorm")
     fast = normfold.load(tmp_path / "rmsnorm")
