@@ -595,7 +595,8 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
             pad: bool | None = None, variant_options: dict | None = None, adapter: Adapter | None = None,
             inplace: bool = False, verify: bool = True, inputs: dict | None = None, fp64_tol: float = 1e-9,
             progress: Progress | None = None, auto: bool = False, rotate: str | None = None, rotate_seed: int = 0,
-            rotate_online: bool = False, untie: bool | None = None) -> tuple[nn.Module, ConversionReport]:
+            rotate_online: bool = False, untie: bool | None = None,
+            fast: bool = True) -> tuple[nn.Module, ConversionReport]:
     """Convert `model` and return (converted model in eval mode, report).
 
     The original is not modified unless `inplace=True`. With `verify=True` (default) both models
@@ -619,7 +620,12 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
 
     A head tied to an embedding table the conversion centres stays tied (`nn.TiedHead`: the centred
     table plus its row means, loads with normfold.load); `untie=True` gives the head its own copy of
-    the table instead (plain `transformers` form, stock-reloadable, V×d more parameters).    """
+    the table instead (plain `transformers` form, stock-reloadable, V×d more parameters).
+
+    `fast` (default True) applies `normfold.fastpath` to the result, as `normfold.load` does: the
+    residual add fused with the next norm in supported blocks, padded Pre-CRMS writers. They change
+    how the model computes (rounding only), not its parameters; fast=False leaves them out.
+    """
     options = resolve_options(options, "normfold.convert", to=to, keep_affine=keep_affine, fold_final=fold_final,
                               allow_new_bias=allow_new_bias, pad=pad, variant_options=variant_options,
                               untie=untie)
@@ -656,8 +662,12 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
                 "this checkpoint's stream is rotated with explicit / online rotation ops (normfold.json "
                 "structure.rotation), which the reverse conversions do not carry over; convert the original "
                 "LayerNorm model instead")
-        return handler.convert(model, to, inplace=inplace, verify=verify, inputs=inputs, fp64_tol=fp64_tol,
-                               progress=progress, variant_options=variant_options)
+        out = handler.convert(model, to, inplace=inplace, verify=verify, inputs=inputs, fp64_tol=fp64_tol,
+                              progress=progress, variant_options=variant_options)
+        from . import fastpath
+
+        fastpath.refresh(out[0], fast)  # the norms and shapes changed: fast paths where they still fit
+        return out
     t0 = time.perf_counter()
     if adapter is None:
         from .analysis.autoplan import resolve  # the analysis' plan when no adapter is registered (or auto=True)
@@ -685,6 +695,10 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
     say(f"rewriting weights ({adapter.display_name} adapter, {len(plan.streams)} stream(s))")
     variant.apply(target, plan, options, report)
     target.eval()
+    if fast:
+        from . import fastpath
+
+        fastpath.apply(target)
     target.normfold_report = report  # what the reverse conversions (compress/reverse.py) read back
     report.size = size_report(before, target)
     report.kept = kept_norms(original, plan, {r.name for r in report.structure.norms})

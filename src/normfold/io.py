@@ -732,13 +732,15 @@ def normfold_weight_files(directory: ModelDir) -> list[Path]:
     return found[0]
 
 
-def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> nn.Module:
+def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, *, fast: bool = True) -> nn.Module:
     """Load a checkpoint written by `normfold convert` / `normfold.save` with normfold's fast norms.
 
     Before anything is built: every file is checked by the path policy (`normfold.checkpoint.ModelDir`),
     `normfold.json` against its schema, and its structure against config.json and the weights' headers
     (`check_report_fits`); any failure is a NormfoldError. The returned model (eval mode) has the report
-    at `model.normfold_report`."""
+    at `model.normfold_report`. `fast=False` skips the runtime fast paths of `normfold.fastpath` (exact
+    rewrites of how the model computes: fused add + norm blocks, padded Pre-CRMS writers); the
+    checkpoint's tensors are the same either way."""
     path = Path(path)
     torch_dtype = _parse_dtype(dtype)
     report, config, cls, stock = inspect_converted(path)
@@ -771,5 +773,9 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> nn.
         elif report.dtype in DTYPES:
             model = model.to(DTYPES[report.dtype])
     model.eval()
+    if fast:
+        from . import fastpath
+
+        fastpath.apply(model)
     model.normfold_report = report
     return model

@@ -26,6 +26,10 @@ suites:
           norms (the floor), plus a second Pre-LN copy as an A/A control; time as per-round
           ratios to Pre-LN, the share of the LN-to-no-norm gap captured and (CPU) the norms' own
           time from forward hooks. CPU: float32 and bfloat16; --device cuda: autocast (amp-bf16)
+  hf      transformers models through the public API (normfold.convert -> save -> load):
+          ViT-S/16 at batch 1 and GPT-2 small's shape (4 layers with --quick, 256 tokens), float32
+          and bfloat16: original vs an A/A copy, Pre-RMS, Pre-CRMS and no norm at all (the floor),
+          per-round paired ratios, gap captured, the norms' share of the forward from hooks
   convert conversion time and peak memory of `normfold convert` on the bundled model and a
           GPT-2-medium-sized random checkpoint
   un      inference of models with fused Unified Normalization vs their LayerNorm originals and
@@ -156,6 +160,13 @@ def _e2e(args):
                    progress=not args.quiet, models=args.models, batches=args.batches, dtypes=args.dtypes)
 
 
+def _hf(args):
+    from ..bench import hf
+
+    return hf.run(args.out, quick=args.quick, rounds=args.rounds, progress=not args.quiet,
+                  dtypes=_dtypes_of(args.dtypes, tuple(hf.DTYPES)))
+
+
 def _convert(args):
     from ..bench import convert
 
@@ -197,8 +208,9 @@ def _train_speed(args):
 
 
 # suite name -> runner(args) -> (rows, written paths)
-SUITES = {"ops": _ops, "calls": _calls, "model": _model, "epilogue": _epilogue, "e2e": _e2e, "convert": _convert,
-          "un": _un, "train": _train, "train-speed": _train_speed, "quant": _quant, "onnx": _onnx}
+SUITES = {"ops": _ops, "calls": _calls, "model": _model, "epilogue": _epilogue, "e2e": _e2e, "hf": _hf,
+          "convert": _convert, "un": _un, "train": _train, "train-speed": _train_speed, "quant": _quant,
+          "onnx": _onnx}
 
 
 # The options each suite honours; any other option given a non-default value is refused (exit 2)
@@ -209,6 +221,7 @@ ACCEPTS = {
     "calls": {"quick", "rounds", "dtypes"},
     "epilogue": {"quick", "rounds", "dtypes", "compile"},
     "e2e": {"quick", "rounds", "device", "compile", "models", "batches", "dtypes"},
+    "hf": {"quick", "rounds", "dtypes"},
     "convert": {"quick", "rounds"},
     "un": {"quick", "rounds", "batches"},
     "train": {"quick", "steps", "text"},

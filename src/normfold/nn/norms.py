@@ -76,7 +76,11 @@ class RMSNorm(_AffineNorm):
 
     zero_mean_input = False
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None):
+        """RMSNorm(x); with `residual`, the residual add fused in: returns (s, RMSNorm(s)) with
+        s = x + residual (what `normfold.fastpath`'s fused blocks call; hooks on the module see it)."""
+        if residual is not None:
+            return self._add_forward(x, residual)
         w, b = self._affine()
         if _cpu_fast_path[0] and x.is_cpu and _no_grad_needed(x, w, b) and not torch.compiler.is_compiling():
             if self.zero_mean_input and x.dtype in _LN_DTYPES and (
@@ -86,6 +90,14 @@ class RMSNorm(_AffineNorm):
             if y is not None:
                 return y
         return ops.rms_norm(x, w, b, self.eps)
+
+    def _add_forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        # decode-sized inputs keep the unfused pair (the LayerNorm route: same result as the unfused model)
+        if self.zero_mean_input and x.numel() <= LN_ROUTE_MAX_NUMEL and not torch.compiler.is_compiling():
+            s = x + residual
+            return s, self.forward(s)
+        w, b = self._affine()
+        return ops.add_rms_norm(x, residual, w, b, self.eps)
 
     @classmethod
     def from_layernorm(cls, ln: nn.LayerNorm, weight: Tensor | None = None, bias: Tensor | None = None,
@@ -115,7 +127,11 @@ class CRMSNorm(_AffineNorm):
     `normalized_shape` is the compressed width d−1; the statistic uses d = width + 1.
     """
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None):
+        """CRMSNorm(x); with `residual`: (s, CRMSNorm(s)), s = x + residual, in one fused pass."""
+        if residual is not None:
+            w, b = self._affine()
+            return ops.add_crms_norm(x, residual, w, b, self.eps)
         w, b = self._affine()
         if _cpu_fast_path[0] and x.is_cpu and _no_grad_needed(x, w, b) and not torch.compiler.is_compiling():
             y = _cpu.fast_forward(x, w, b, self.eps, True)
