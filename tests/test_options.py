@@ -121,8 +121,12 @@ def test_stream_convert_takes_the_options(tmp_path):
     stream_convert(src, out_obj, options=ConvertOptions(keep_affine=True))
     stream_convert(src, out_kw, keep_affine=True)
     assert same_state(normfold.load(out_obj), normfold.load(out_kw))
-    with pytest.raises(normfold.NormfoldError, match="rmsnorm"):
-        stream_convert(src, tmp_path, options=ConvertOptions(to="crmsnorm"))
+    c_obj, c_kw = tmp_path / "co", tmp_path / "ck"
+    c_obj.mkdir(), c_kw.mkdir()
+    stream_convert(src, c_obj, options=ConvertOptions(to="crmsnorm", pad=True))
+    stream_convert(src, c_kw, to="crmsnorm", pad=True)
+    assert same_state(normfold.load(c_obj), normfold.load(c_kw))
+    assert normfold.load(c_obj).normfold_report.structure.compression["pad"] is True
 
 
 def test_renamed_functions_keep_their_old_names_for_one_release():
