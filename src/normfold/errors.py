@@ -62,3 +62,9 @@ class UnsafePathError(CheckpointError):
 class ReportSchemaError(CheckpointError):
     """A `normfold.json` does not match the report schema, or disagrees with config.json and the weights."""
 
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type name when empty), at most 400 characters: what
+    a one-paragraph error message quotes of an underlying failure."""
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:400]

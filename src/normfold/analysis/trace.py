@@ -13,7 +13,7 @@ import logging
 import torch
 from torch import nn
 
-from ..errors import NormfoldError, UnsupportedModelError, UntraceableModelError
+from ..errors import NormfoldError, UnsupportedModelError, UntraceableModelError, first_line
 from .graph import Graph, from_export, from_fx
 
 TRACERS = ("auto", "export", "fx")
@@ -30,12 +30,12 @@ def trace(model: nn.Module, inputs: dict, tracer: str = "auto") -> Graph:
                 ep = torch.export.export(model, (), dict(inputs), strict=False)
             return from_export(ep, model)
         except Exception as exc:  # export raises many types; all mean "cannot trace"
-            errors.append(f"torch.export: {_first_line(exc)}")
+            errors.append(f"torch.export: {first_line(exc)}")
     if tracer == "fx" or (tracer == "auto" and not _is_hf(model)):
         try:
             return _fx(model, inputs)
         except Exception as exc:
-            errors.append(f"torch.fx: {_first_line(exc)}")
+            errors.append(f"torch.fx: {first_line(exc)}")
     raise UntraceableModelError(
         f"could not trace {type(model).__name__} with the example inputs ({'; '.join(errors)}). "
         "The analysis needs a graph of the forward pass: data-dependent Python control flow (if on a "
@@ -79,11 +79,6 @@ def _fx(model: nn.Module, inputs: dict) -> Graph:
 
 def _is_hf(model: nn.Module) -> bool:
     return hasattr(model, "config") and hasattr(model, "base_model_prefix")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}"
 
 
 # ---- example inputs -----------------------------------------------------------------------------------

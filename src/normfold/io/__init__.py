@@ -1,4 +1,6 @@
-"""Loading source models, saving converted checkpoints atomically, and loading them back.
+"""Loading source models, saving converted checkpoints atomically, and loading them back. Writing a
+directory safely (checks before any work, the lock, permissions) is `io.atomic`; replaying a report's
+structure on a stock model is `io.structure`; both are re-exported here.
 
 A saved directory holds:
 
@@ -20,29 +22,26 @@ from __future__ import annotations
 import contextlib
 
 import copy
-import errno
 import json
-import math
 import os
 import re
 import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
 
-from . import checkpoint_guard as guard
-from .checkpoint import ModelDir, file_digest
-from .checkpoint.writer import can_write, save_safetensors
-from .adapters.base import get, parent_and_leaf
-from .errors import (CheckpointError, ModelNotFoundError, NormfoldError, NotAModelError, OutputExistsError,
-                     OutputWriteError, ReportSchemaError)
-from .nn import norm_type
-from .nn.hooks import add_input_recenter, add_output_recenter
-from .report import ConversionReport, Structure
+from .. import checkpoint_guard as guard
+from ..checkpoint import ModelDir, file_digest
+from ..checkpoint.writer import can_write, save_safetensors
+from ..adapters.base import get
+from ..errors import CheckpointError, ModelNotFoundError, NormfoldError, NotAModelError, ReportSchemaError, first_line
+from ..report import ConversionReport
+from .atomic import (apply_umask, check_output_dir, output_lock, write_failed)  # noqa: F401  (re-exported)
+from .structure import (STRUCTURE_PARTS, apply_structure, apply_tied_heads, register_structure_part,  # noqa: F401
+                        validate_structure)
 
 STOCK_WEIGHTS = "model.safetensors"
 STOCK_INDEX = "model.safetensors.index.json"
@@ -62,7 +61,7 @@ def transformers_module():
 
 def default_model_path() -> Path:
     """The bundled default model (a small GPT-2 trained on the King James Bible)."""
-    return Path(__file__).parent / "data" / "kjv-gpt2"
+    return Path(__file__).resolve().parent.parent / "data" / "kjv-gpt2"
 
 
 def _looks_like_hub_id(source: str) -> bool:
@@ -121,14 +120,14 @@ def load_source(source: str | os.PathLike | None, dtype: str | torch.dtype | Non
         raise
     except RuntimeError as exc:  # transformers' own size-mismatch report, if check_shapes missed a renamed key
         if "mismatched" in str(exc) or "size mismatch" in str(exc):
-            raise guard.CheckpointError(f"{path}: weights do not match config.json ({_first_line(exc)}); use the "
+            raise guard.CheckpointError(f"{path}: weights do not match config.json ({first_line(exc)}); use the "
                                         "config.json published with these weights") from None
         raise
     except (OSError, ValueError, KeyError, EnvironmentError) as exc:
         if path.exists():
-            raise NotAModelError(f"{path} could not be loaded as a Hugging Face model: {_first_line(exc)}") from exc
+            raise NotAModelError(f"{path} could not be loaded as a Hugging Face model: {first_line(exc)}") from exc
         raise ModelNotFoundError(f"{source}: not a local directory, and loading it from the Hugging Face hub "
-                                 f"failed: {_first_line(exc)}") from exc
+                                 f"failed: {first_line(exc)}") from exc
     model.eval()
     info = {"model": "bundled:kjv-gpt2" if bundled else str(source), "architecture": type(model).__name__,
             "model_type": getattr(config, "model_type", None), "path": str(path) if path.exists() else None}
@@ -144,11 +143,6 @@ def _on_meta(cls, config) -> nn.Module | None:
         return None
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:400]
-
-
 def _parse_dtype(dtype) -> torch.dtype | None:
     if dtype is None or dtype == "auto":
         return None
@@ -161,89 +155,6 @@ def _parse_dtype(dtype) -> torch.dtype | None:
 
 
 # ---- saving ----------------------------------------------------------------------------------------
-
-def check_output_dir(out: str | os.PathLike, force: bool) -> Path:
-    """Fail early (before any work) if `out` exists and --force was not given."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise OutputExistsError(f"{out} exists and is not a directory; choose another --out (normfold never "
-                                "replaces a file)")
-    if out.exists() and not force:
-        raise OutputExistsError(f"{out} already exists; choose another --out or pass --force to replace it")
-    _check_writable(out.absolute().parent, out)
-    return out
-
-
-def _check_writable(parent: Path, out: Path) -> None:
-    """The output is written as a temporary directory beside `out`: make sure one can be created there
-    (by trying: os.access says yes to root even on read-only file systems)."""
-    existing = parent
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise OutputWriteError(f"cannot write {out}: {existing} is a file, not a directory; choose another --out")
-    try:
-        probe = Path(tempfile.mkdtemp(prefix=".normfold-probe-", dir=existing))
-        probe.rmdir()
-    except OSError as exc:
-        raise OutputWriteError(f"cannot write {out}: {existing} is not writable ({exc.strerror or exc}); choose "
-                               "another --out on a writable file system") from None
-
-
-def _write_failed(out: Path, exc: BaseException) -> OutputWriteError:
-    text = str(exc)
-    errno_ = getattr(exc, "errno", None)
-    full = errno_ in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) or any(
-        k in text for k in ("No space left", "File too large", "Disk quota", "os error 28", "os error 27"))
-    why = "the disk is full (or a file-size / quota limit was hit)" if full else _first_line(exc)
-    return OutputWriteError(f"writing {out} failed: {why}. The partial output was removed and nothing was written "
-                            f"at {out}; free space (or choose --out on another disk) and run again")
-
-
-@contextlib.contextmanager
-def output_lock(out: str | os.PathLike):
-    """`.{name}.lock` beside `out`, created exclusively: a second conversion into `out` fails at once.
-    A lock whose process is gone (kill -9, power cut) is stale and taken over."""
-    out = Path(out).absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    lock = out.parent / f".{out.name}.lock"
-    for _ in range(2):
-        try:
-            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            break
-        except FileExistsError:
-            if not _stale(lock):
-                raise OutputExistsError(f"another normfold conversion is writing {out} (lock file {lock}); wait for "
-                                        "it to finish or choose another --out") from None
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(lock)
-    else:
-        raise OutputExistsError(f"could not take the lock {lock} for {out}; choose another --out")
-    try:
-        os.write(fd, f"{os.getpid()}\n".encode())
-        os.close(fd)
-        yield lock
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(lock)
-
-
-def _stale(lock: Path) -> bool:
-    """True when the lock names a process that no longer exists (on this machine)."""
-    try:
-        pid = int(lock.read_text().strip() or "0")
-    except (OSError, ValueError):
-        return False  # being written right now, or not ours: respect it
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
 
 def export_state_dict(model: nn.Module, report: ConversionReport) -> dict[str, torch.Tensor]:
     """State dict in the stock layout: folded-away norm affines written back as ones / zeros."""
@@ -262,7 +173,7 @@ def export_state_dict(model: nn.Module, report: ConversionReport) -> dict[str, t
 
 
 def _float_dtype(model: nn.Module) -> torch.dtype:
-    from .modelinfo import working_dtype
+    from ..modelinfo import working_dtype
 
     return working_dtype(model)
 
@@ -334,21 +245,11 @@ def save(model: nn.Module, report: ConversionReport, out: str | os.PathLike, *, 
         if backup is not None and not out.exists():
             os.rename(backup, out)
         if isinstance(exc, OSError) or type(exc).__name__ == "SafetensorError":
-            raise _write_failed(out, exc) from None
+            raise write_failed(out, exc) from None
         raise
     if backup is not None:
         shutil.rmtree(backup, ignore_errors=True)
     return out
-
-
-def apply_umask(directory: Path) -> None:
-    """mkdtemp and safetensors create owner-only files; give the result the usual permissions."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(directory, 0o777 & ~mask)
-    for f in directory.iterdir():
-        if f.is_file():
-            os.chmod(f, 0o666 & ~mask)
 
 
 def weight_file_bytes(directory: str | os.PathLike) -> int:
@@ -390,7 +291,7 @@ def read_report(path: str | os.PathLike) -> ConversionReport:
     try:
         data = json.loads(f.read_text())
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise ReportSchemaError(f"{f} is not a valid normfold report (not JSON: {_first_line(exc)}); "
+        raise ReportSchemaError(f"{f} is not a valid normfold report (not JSON: {first_line(exc)}); "
                                 "re-download the checkpoint or reconvert the model") from None
     try:
         return ConversionReport.from_dict(data)
@@ -408,223 +309,6 @@ def _located(exc: ReportSchemaError, report_path: Path) -> ReportSchemaError:
 
 
 MAX_REPORT_BYTES = 64 * 1024 * 1024  # a 48-block model's report is ~80 KB
-
-
-def _norm_width(module: nn.Module) -> int | None:
-    """The normalized width of a norm module (LayerNorm-like: `normalized_shape`, else a 1-D weight)."""
-    shape = getattr(module, "normalized_shape", None)
-    if isinstance(shape, int):
-        return shape
-    if isinstance(shape, (tuple, list)) and shape and all(isinstance(d, int) for d in shape):
-        return shape[-1]
-    w = module._parameters.get("weight") if isinstance(module, nn.Module) else None
-    return int(w.shape[-1]) if w is not None and w.dim() == 1 else None
-
-
-def validate_structure(model: nn.Module, structure: Structure) -> None:
-    """Check a report's structure against the model that config.json builds (on any device, meta included),
-    before anything is changed: every path names a module / parameter of the model (through
-    `named_modules()` / `named_parameters()`), each recorded norm is a norm of the recorded width, recorded
-    shapes and dims fit the parameters. `ReportSchemaError` otherwise."""
-    from .adapters.base import submodule
-
-    modules = dict(model.named_modules(remove_duplicate=False))
-    params = dict(model.named_parameters(remove_duplicate=False))
-    arch = type(model).__name__
-
-    def module(path: str, where: str) -> nn.Module:
-        if path not in modules or not path:
-            raise ReportSchemaError(f"normfold.json: {where} names {path[:120]!r}, which is not a module of the "
-                                    f"{arch} that config.json builds; the report does not belong to this model")
-        return submodule(model, path)
-
-    def param(path: str, where: str) -> torch.Tensor:
-        if path not in params:
-            raise ReportSchemaError(f"normfold.json: {where} names {path[:120]!r}, which is not a parameter of the "
-                                    f"{arch} that config.json builds; the report does not belong to this model")
-        return params[path]
-
-    seen = set()
-    for i, rec in enumerate(structure.norms):
-        where = f"structure.norms[{i}]"
-        m = module(rec.name, f"{where}.name")
-        if rec.name in seen:
-            raise ReportSchemaError(f"normfold.json: {where} records {rec.name!r} a second time")
-        seen.add(rec.name)
-        width = _norm_width(m)
-        if width is None:
-            raise ReportSchemaError(f"normfold.json: {where} records {rec.name!r} as a norm, but in {arch} it is a "
-                                    f"{type(m).__name__}, not a norm")
-        if not (math.isfinite(rec.eps) and 0 <= rec.eps < 1):
-            raise ReportSchemaError(f"normfold.json: {where}.eps is {rec.eps}; a norm's eps lies in [0, 1)")
-        if "width" in rec.options and rec.options["width"] != width:
-            raise ReportSchemaError(f"normfold.json: {where}.options.width is {rec.options['width']}, but "
-                                    f"{rec.name} of the {arch} that config.json builds is {width} wide")
-        for j, path in enumerate(rec.folded_into):
-            module(path, f"{where}.folded_into[{j}]")
-    for key in ("recenter_after", "recenter_before", "added_bias"):
-        for j, path in enumerate(getattr(structure, key)):
-            m = module(path, f"structure.{key}[{j}]")
-            if key == "added_bias":
-                w = m._parameters.get("weight")
-                if w is None or w.dim() != 2:
-                    raise ReportSchemaError(f"normfold.json: structure.added_bias[{j}] names {path!r}, a "
-                                            f"{type(m).__name__} without a matrix weight to add a bias beside")
-    state_keys = set(model.state_dict(keep_vars=True))
-    for j, name in enumerate(structure.untied):
-        if name not in params and name not in state_keys:
-            param(name, f"structure.untied[{j}]")
-    comp = structure.compression or {}
-    for name, shape in comp.get("shapes", {}).items():
-        p = param(name, "structure.compression.shapes")
-        if len(shape) != p.dim() or any(d not in (o, o - 1) or d < 0 for d, o in zip(shape, p.shape)):
-            raise ReportSchemaError(f"normfold.json: structure.compression.shapes gives {name} shape {shape[:8]}, "
-                                    f"which does not fit its shape {list(p.shape)} from config.json (each "
-                                    "dimension stays or loses one coordinate)")
-    for key in ("compress_after", "compress_before", "widen_after", "narrow_before"):
-        for j, path in enumerate(comp.get(key, [])):
-            module(path, f"structure.compression.{key}[{j}]")
-    for key in ("writer_params", "reader_params"):
-        for name, dim in comp.get(key, {}).items():
-            p = param(name, f"structure.compression.{key}")
-            if not -p.dim() <= dim < p.dim():
-                raise ReportSchemaError(f"normfold.json: structure.compression.{key} gives {name} the axis {dim}; "
-                                        f"it has {p.dim()}")
-    for j, tie in enumerate(comp.get("tied_heads", [])):
-        module(tie["head"], f"structure.compression.tied_heads[{j}].head")
-        table = module(tie["table"], f"structure.compression.tied_heads[{j}].table")
-        w = table._parameters.get("weight")
-        if w is None or w.dim() != 2:
-            raise ReportSchemaError(f"normfold.json: structure.compression.tied_heads[{j}].table names "
-                                    f"{tie['table']!r}, which has no table (a matrix weight)")
-
-
-# Parts of a recorded `Structure` that a higher layer knows how to rebuild (a target's own modules and
-# hooks): field name -> apply(model, part). `normfold.compress` registers "compression"; io imports none
-# of them, so the layers stay one-way.
-STRUCTURE_PARTS: dict[str, Callable[[nn.Module, object], None]] = {}
-
-
-def register_structure_part(field_name: str, apply: Callable[[nn.Module, object], None]) -> None:
-    """Make `apply_structure` (and so `normfold.load`) call `apply(model, structure.<field_name>)` when that
-    part of the recorded structure is non-empty."""
-    STRUCTURE_PARTS[field_name] = apply
-
-
-def apply_structure(model: nn.Module, structure: Structure) -> nn.Module:
-    """Rebuild normfold's modules on a stock model: swap the recorded norms (taking their values from
-    the loaded LayerNorms), re-attach Recenter ops and create added biases.
-
-    The structure is validated first (`validate_structure`: paths through the module tree only, widths);
-    nothing is changed when it does not fit the model."""
-    from .adapters.base import submodule
-
-    validate_structure(model, structure)
-    try:
-        for rec in structure.norms:
-            ln = submodule(model, rec.name)
-            cls = norm_type(rec.type)
-            new = cls.from_layernorm(ln, keep_weight=rec.weight, keep_bias=rec.bias, **rec.options)
-            head, _, leaf = rec.name.rpartition(".")
-            setattr(submodule(model, head), leaf, new)
-        for path in structure.recenter_after:
-            add_output_recenter(submodule(model, path))
-        for path in structure.recenter_before:
-            add_input_recenter(submodule(model, path))
-        for path in structure.added_bias:
-            module = submodule(model, path)
-            if getattr(module, "bias", None) is None:
-                out_features = module.weight.shape[0]
-                module.bias = nn.Parameter(torch.zeros(out_features, dtype=module.weight.dtype,
-                                                       device=module.weight.device))
-        apply_tied_heads(model, structure.tied_heads)
-        if structure.rotation:
-            _apply_rotation_hooks(model, structure.rotation)
-        for path in structure.rotation.get("online", []) if structure.rotation else []:  # online Hadamard inputs
-            from .algebra import layout_of
-            from .nn.online import add_input_hadamard
-
-            module = dict(model.named_modules()).get(str(path))
-            if module is None:
-                raise CheckpointError(f"normfold.json: online rotation at {path!r}, which is not a module of this model")
-            lay = layout_of(module)
-            if lay is None or lay.in_dim is None:
-                raise CheckpointError(f"normfold.json: online rotation at {path}, which is not a linear module")
-            try:
-                add_input_hadamard(module, int(getattr(module, lay.weight).shape[lay.in_dim]))
-            except ValueError as exc:
-                raise CheckpointError(f"normfold.json: online rotation at {path}: {exc}") from None
-        for field_name, apply_part in STRUCTURE_PARTS.items():  # e.g. Pre-CRMSNorm's resized writers/readers
-            part = getattr(structure, field_name, None)
-            if part:
-                apply_part(model, part)
-    except (ValueError, TypeError, KeyError, LookupError) as exc:  # e.g. an option value the module refuses
-        raise ReportSchemaError(f"normfold.json: its structure cannot be rebuilt on {type(model).__name__}: "
-                                f"{_first_line(exc)}") from None
-    return model
-
-
-def _apply_rotation_hooks(model: nn.Module, rotation: dict) -> None:
-    """The explicit stream rotations of a rotated checkpoint (normfold.rotate), Q rebuilt from kind + seed."""
-    from .algebra import rotation_matrix
-    from .nn.online import add_input_rotation, add_output_rotation
-
-    modules = dict(model.named_modules())
-    widths = {int(getattr(m, "normalized_shape", (0,))[-1]) for m in modules.values() if hasattr(m, "normalized_shape")}
-    explicit = rotation.get("explicit", [])
-    if not isinstance(explicit, list):
-        raise CheckpointError("normfold.json: structure.rotation.explicit must be a list")
-    for e in explicit:
-        try:
-            if not isinstance(e, dict) or set(e) - {"path", "where", "width", "transpose"}:
-                raise ValueError("unknown or missing fields")
-            width = int(e["width"])
-            if width not in widths:  # also bounds the d×d matrix built below
-                raise ValueError(f"width {width} is not the width of any norm of this model")
-            module = modules[str(e["path"])]
-            ref = next(iter(model.parameters()), None)
-            if ref is not None and ref.is_meta:  # checking a report against the config's meta model: shapes only
-                q = torch.empty(width, width, device="meta")
-            else:
-                with torch.device("cpu"):
-                    q, _ = rotation_matrix(str(rotation["kind"]), width, int(rotation.get("seed", 0)))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"normfold.json: bad explicit rotation entry {e!r}: {exc}") from None
-        q = (q.T if e.get("transpose") else q).contiguous().to(ref.dtype if ref is not None else torch.float32)
-        if e.get("where") == "output":
-            add_output_rotation(module, q)
-        elif e.get("where") == "input":
-            add_input_rotation(module, q)
-        else:
-            raise CheckpointError(f"normfold.json: explicit rotation at {e.get('path')}: unknown place {e.get('where')!r}")
-
-
-def apply_tied_heads(model: nn.Module, records: list[dict]) -> None:
-    """Replace each recorded head by an `nn.TiedHead` reading the recorded embedding table (its mean,
-    scale and bias are filled from the checkpoint; an existing bias Parameter is reused, so aliases of
-    it stay shared). Paths are resolved through named_modules() only."""
-    from .nn import TiedHead
-
-    if not records:
-        return
-    modules = dict(model.named_modules())
-    for rec in records:
-        head, table = modules.get(rec["head"]), modules.get(rec["table"])
-        if not isinstance(head, nn.Linear) or not isinstance(table, nn.Embedding):
-            raise CheckpointError(f"normfold.json records a head {rec['head']!r} tied to the table {rec['table']!r}, "
-                                  f"but this model has no such linear head / embedding ({type(head).__name__}, "
-                                  f"{type(table).__name__})")
-        w = table.weight
-        if tuple(head.weight.shape) != tuple(w.shape):
-            raise CheckpointError(f"normfold.json ties {rec['head']} {tuple(head.weight.shape)} to {rec['table']} "
-                                  f"{tuple(w.shape)}: the shapes differ")
-        bias = head.bias if rec["bias"] else None
-        if rec["bias"] and bias is None:
-            bias = nn.Parameter(torch.zeros(w.shape[0], dtype=w.dtype), requires_grad=False)
-        mean = torch.zeros(w.shape[0], dtype=w.dtype)
-        scale = torch.ones(w.shape[1], dtype=w.dtype) if rec["scale"] else None
-        parent, leaf = parent_and_leaf(model, rec["head"])
-        setattr(parent, leaf, TiedHead(table, mean, scale, bias))
 
 
 @contextlib.contextmanager
@@ -648,7 +332,7 @@ def _read_config(path: Path):
     try:
         return transformers.AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{path}: config.json could not be read ({_first_line(exc)}); re-download the "
+        raise CheckpointError(f"{path}: config.json could not be read ({first_line(exc)}); re-download the "
                               "checkpoint") from None
 
 
@@ -724,7 +408,7 @@ def inspect_converted(path: str | os.PathLike):
 
 def normfold_weight_files(directory: ModelDir) -> list[Path]:
     """The weight files of a checkpoint in normfold's own layout (one file, or shards with an index)."""
-    from .checkpoint import weight_files
+    from ..checkpoint import weight_files
 
     found = weight_files(directory, NORMFOLD_INDEX, NORMFOLD_WEIGHTS)
     if found is None:
@@ -774,7 +458,7 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, *, fas
             model = model.to(DTYPES[report.dtype])
     model.eval()
     if fast:
-        from . import fastpath
+        from .. import fastpath
 
         fastpath.apply(model)
     model.normfold_report = report
