@@ -68,28 +68,16 @@ class Structure:
             check(n, NormRecord, f"{where}.norms[{i}]")
             check_norm_options(n["type"], n.get("options", {}), f"{where}.norms[{i}].options")
             norms.append(NormRecord(**n))
+        tied_heads = d.get("tied_heads", [])
+        for i, t in enumerate(tied_heads):
+            check(t, TiedHeadRecordSpec, f"{where}.tied_heads[{i}]")
         compression = d.get("compression", {})
         if compression:
             check(compression, CompressionSpec, f"{where}.compression")
         return cls(norms=norms, recenter_after=list(d.get("recenter_after", [])),
                    recenter_before=list(d.get("recenter_before", [])), added_bias=list(d.get("added_bias", [])),
                    untied=list(d.get("untied", [])), compression=dict(compression),
-                   rotation=dict(d.get("rotation", {})), tied_heads=_tied_heads(d.get("tied_heads", [])))
-
-
-def _tied_heads(value) -> list[dict]:
-    """The `tied_heads` records of a saved report, checked (normfold.json is untrusted input)."""
-    keys = {"head": str, "table": str, "scale": bool, "bias": bool}
-    if not isinstance(value, list):
-        raise ReportSchemaError("normfold.json: structure.tied_heads must be a list")
-    out = []
-    for item in value:
-        if not isinstance(item, dict) or set(item) != set(keys) or any(
-                not isinstance(item[k], t) for k, t in keys.items()):
-            raise ReportSchemaError(f"normfold.json: structure.tied_heads entries are {{'head': str, 'table': str, 'scale': bool, "
-                             f"'bias': bool}}; got {item!r}")
-        out.append(dict(item))
-    return out
+                   rotation=dict(d.get("rotation", {})), tied_heads=[dict(t) for t in tied_heads])
 
 
 @dataclass
@@ -203,6 +191,18 @@ class ConversionReport:
 # replays, so it is checked strictly (every name, type and option); the informational parts
 # (`verification`, `size`, `source`) are checked as objects only. Whether the names exist in the model and
 # the widths agree with config.json and the weights is checked in `normfold.io` (`validate_structure`).
+
+@dataclass
+class TiedHeadRecordSpec:
+    """One entry of `structure.tied_heads` (nn.TiedHead): the head and the table it reads, whether it has a
+    folded scale (γ) and a bias. Whether the paths name a linear head and an embedding of the same shape is
+    checked where it is rebuilt (`normfold.io.structure.apply_tied_heads`)."""
+
+    head: str
+    table: str
+    scale: bool
+    bias: bool
+
 
 @dataclass
 class CompressionSpec:

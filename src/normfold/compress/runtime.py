@@ -124,13 +124,9 @@ class TiedCompressedHead(nn.Module):
         return self._table.weight
 
     def __deepcopy__(self, memo):
-        import copy
+        from ..nn.tied import deepcopy_module
 
-        new = self.__class__.__new__(self.__class__)
-        memo[id(self)] = new
-        for k, v in self.__dict__.items():
-            object.__setattr__(new, k, copy.deepcopy(v, memo))
-        return new
+        return deepcopy_module(self, memo)
 
     def extra_repr(self) -> str:
         w = self.weight

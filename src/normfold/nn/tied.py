@@ -29,6 +29,17 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def deepcopy_module(module: nn.Module, memo: dict) -> nn.Module:
+    """`copy.deepcopy` of a head that holds its table's module outside `_modules` (so the table is not a
+    submodule twice): every attribute copied through the same memo, so a deep copy of the whole model keeps
+    the head reading the copied table. Shared by the Pre-CRMSNorm tied head."""
+    new = module.__class__.__new__(module.__class__)
+    memo[id(module)] = new
+    for k, v in module.__dict__.items():
+        object.__setattr__(new, k, copy.deepcopy(v, memo))
+    return new
+
+
 class TiedHead(nn.Module):
     """logits = z·E'ᵀ + (Σz)·mean (+ bias), z = y⊙scale; E' = `table.weight`, shared with the embedding.
 
@@ -61,11 +72,7 @@ class TiedHead(nn.Module):
         return int(self.weight.shape[0])
 
     def __deepcopy__(self, memo):
-        new = self.__class__.__new__(self.__class__)
-        memo[id(self)] = new
-        for k, v in self.__dict__.items():
-            object.__setattr__(new, k, copy.deepcopy(v, memo))
-        return new
+        return deepcopy_module(self, memo)
 
     def extra_repr(self) -> str:
         return (f"tied to a centred table {tuple(self.weight.shape)}, scale={self.scale is not None}, "
