@@ -1,0 +1,29 @@
+"""GPT-2 (transformers 5's GPT2Block): the attention output's add fused with ln_2."""
+
+from __future__ import annotations
+
+from ..blocks import NORMS, FusedBlock, register
+
+
+def _forward(base):
+    def forward(self, hidden_states, cache=None, attention_mask=None, encoder_hidden_states=None,
+                encoder_attention_mask=None, use_cache=False, **kwargs):
+        if encoder_hidden_states is not None:  # cross-attention blocks: transformers' own code
+            return base.forward(self, hidden_states, cache=cache, attention_mask=attention_mask,
+                                encoder_hidden_states=encoder_hidden_states,
+                                encoder_attention_mask=encoder_attention_mask, use_cache=use_cache, **kwargs)
+        if not isinstance(self.ln_2, NORMS):  # converted back to LayerNorm since it was fused
+            return base.forward(self, hidden_states, cache=cache, attention_mask=attention_mask,
+                                use_cache=use_cache, **kwargs)
+        residual = hidden_states
+        hidden_states = self.ln_1(hidden_states)
+        attn_output, _ = self.attn(hidden_states, cache=cache, attention_mask=attention_mask, use_cache=use_cache,
+                                   **kwargs)
+        residual, hidden_states = self.ln_2(attn_output, residual)  # attn_output + residual, then ln_2
+        return residual + self.mlp(hidden_states)
+    return forward
+
+
+register(FusedBlock("GPT2Block", "transformers.models.gpt2.modeling_gpt2", ("ln_2",), _forward,
+                    ("self", "hidden_states", "cache", "attention_mask", "encoder_hidden_states",
+                     "encoder_attention_mask", "use_cache", "kwargs")))

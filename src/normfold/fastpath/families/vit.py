@@ -1,0 +1,24 @@
+"""ViT (transformers 5's ViTLayer): the attention output's add fused with layernorm_after."""
+
+from __future__ import annotations
+
+from ..blocks import NORMS, FusedBlock, register
+
+
+def _forward(base):
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        if not isinstance(self.layernorm_after, NORMS):
+            return base.forward(self, hidden_states, attention_mask, **kwargs)
+        residual = hidden_states
+        hidden_states = self.layernorm_before(hidden_states)
+        hidden_states, _ = self.attention(hidden_states, attention_mask, **kwargs)
+        hidden_states = self.dropout(hidden_states)
+        residual, hidden_states = self.layernorm_after(hidden_states, residual)  # + residual, then the norm
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = self.dropout(hidden_states)
+        return hidden_states + residual
+    return forward
+
+
+register(FusedBlock("ViTLayer", "transformers.models.vit.modeling_vit", ("layernorm_after",), _forward,
+                    ("self", "hidden_states", "attention_mask", "kwargs")))
