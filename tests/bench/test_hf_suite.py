@@ -52,3 +52,19 @@ def test_candidates_compute_the_original_function(tmp_path, case):
 def test_cli_refuses_options_it_does_not_take(capsys):
     assert main(["bench", "hf", "--models", "vit-tiny"]) == 2
     assert "does not take --models" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_cuda_refused_clearly_without_a_gpu(tmp_path, capsys):
+    assert main(["bench", "hf", "--device", "cuda", "--quick", "--out", str(tmp_path)]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_hf_suite_on_cuda(tmp_path):
+    rows, _ = hf.run(tmp_path, cases=TINY, rounds=2, progress=False, dtypes=("float32", "bfloat16"), device="cuda")
+    assert len(rows) == 4 and all(r["device"] == "cuda" for r in rows)
+    for r in rows:
+        assert r["rmsnorm/orig"] > 0 and r["crms/rms"] > 0
+        assert "ln_norm_share" not in r  # host-side hooks are not used on the GPU

@@ -173,8 +173,17 @@ COLUMNS = ["model", "batch", "seq", "dtype", "rmsnorm/orig", "crmsnorm/orig", "n
 
 def run(out_dir="benchmarks", quick: bool = False, rounds: int | None = None, progress: bool = True,
         dtypes=None, cases=None, seed: int = 0, variants=VARIANTS, min_time: float = 0.0,
-        norm_hooks: bool = True):
-    """Measure and write hf.{csv,md,machine.json,png}. Returns (rows, paths)."""
+        norm_hooks: bool = True, device: str = "cpu"):
+    """Measure and write hf.{csv,md,machine.json,png}. Returns (rows, paths).
+
+    `device="cuda"`: every model is converted, saved and reloaded on the CPU (as a user does), then
+    moved to the GPU; times come from synchronized wall clocks, and the norms' hook timings are
+    skipped (host-side hooks would time kernel launches, not kernels)."""
+    device_type = "cuda" if str(device).startswith("cuda") else "cpu"
+    if device_type == "cuda" and not torch.cuda.is_available():
+        from ..errors import NormfoldError
+
+        raise NormfoldError("bench hf --device cuda: no CUDA device is visible to torch")
     cases = tuple(cases or (QUICK if quick else FULL))
     dtypes = tuple(dtypes or DTYPES)
     for d in dtypes:
@@ -187,26 +196,30 @@ def run(out_dir="benchmarks", quick: bool = False, rounds: int | None = None, pr
     machine = machine_info()
     machine["allocator"] = steady_allocator()
     settings = [(c, d) for c in cases for d in dtypes]
-    hooks = norm_hooks and "rmsnorm" in variants
+    hooks = norm_hooks and "rmsnorm" in variants and device_type == "cpu"
     bar = Bar(len(settings) * rounds * (len(variants) + 2 * hooks), "bench hf", enabled=progress)
     overhead = hook_overhead() if hooks else 0.0
     rows = []
     with tempfile.TemporaryDirectory(prefix="normfold-bench-hf-") as work:
         for case, dname in settings:
             dtype = DTYPES[dname]
-            models = candidates(case, dtype, work, seed, variants)
-            x = case.inputs(models["original"], dtype, seed)
+            models = {k: m.to(device) for k, m in candidates(case, dtype, work, seed, variants).items()}
+            x = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                 for k, v in case.inputs(models["original"], dtype, seed).items()}
             cands = {k: (lambda m=m: m(**x)) for k, m in models.items()}
             with torch.inference_mode():
-                stats = measure(cands, rounds=rounds, warmup=2, min_time=min_time,
+                stats = measure(cands, rounds=rounds, warmup=2, min_time=min_time, device=device_type,
                                 tick=lambda: bar.step(len(cands)))
                 norms = _norm_columns(models, cands, rounds, bar.step, overhead) if hooks else {}
             row = _row(case, dname, stats, list(models))
+            row["device"] = device_type
             if norms:
                 row.update(norms, ln_norm_share=norms["ln_norm_ms"] / row["original_ms"])
             rows.append(row)
             del models, cands
             gc.collect()
+            if device_type == "cuda":
+                torch.cuda.empty_cache()
     bar.close()
     paths = write(rows, "hf", out_dir, machine, COLUMNS,
                   "transformers models through normfold.convert → save → load: time / original "

@@ -68,7 +68,7 @@ def add_parser(sub) -> None:
     p.add_argument("--quick", action="store_true", help="fewer shapes and rounds (a smoke run)")
     p.add_argument("--rounds", type=int, help="timed rounds per candidate (default: 30 ops, 40 model)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--device", default="cpu", help="ops/e2e: cpu or cuda (default: cpu)")
+    p.add_argument("--device", default="cpu", help="ops/e2e/hf: cpu or cuda (default: cpu)")
     p.add_argument("--compile", action="store_true", help="e2e: also time every variant under torch.compile")
     p.add_argument("--models", type=_csv, metavar="M,..", help="e2e: subset of vit-tiny, vit-small, vit-base, "
                    "vit-large, vit-huge, gpt3-small, gpt3-medium")
@@ -164,7 +164,7 @@ def _hf(args):
     from ..bench import hf
 
     return hf.run(args.out, quick=args.quick, rounds=args.rounds, progress=not args.quiet,
-                  dtypes=_dtypes_of(args.dtypes, tuple(hf.DTYPES)))
+                  dtypes=_dtypes_of(args.dtypes, tuple(hf.DTYPES)), device=args.device)
 
 
 def _convert(args):
@@ -221,7 +221,7 @@ ACCEPTS = {
     "calls": {"quick", "rounds", "dtypes"},
     "epilogue": {"quick", "rounds", "dtypes", "compile"},
     "e2e": {"quick", "rounds", "device", "compile", "models", "batches", "dtypes"},
-    "hf": {"quick", "rounds", "dtypes"},
+    "hf": {"quick", "rounds", "dtypes", "device"},
     "convert": {"quick", "rounds"},
     "un": {"quick", "rounds", "batches"},
     "train": {"quick", "steps", "text"},
