@@ -61,6 +61,11 @@ class Node:
         return f"Node({self.name}: {self.op} in {self.module or '<root>'})"
 
 
+def where(node: Node) -> str:
+    """The place a node runs in, as messages name it."""
+    return node.module or "the top-level forward"
+
+
 def _nodes_in(a) -> Iterator[Node]:
     if isinstance(a, Node):
         yield a
