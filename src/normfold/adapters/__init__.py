@@ -11,6 +11,7 @@ import importlib
 import warnings
 from importlib.metadata import entry_points
 
+import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
@@ -25,6 +26,7 @@ from .base import (
     StreamTemplate,
     template_adapter,
 )
+from .examples import config_inputs
 
 # One module per family; each defines ADAPTER (or ADAPTERS). Adding a family = one line here.
 _BUILTIN_MODULES = (
@@ -102,6 +104,20 @@ def find_adapter(model: nn.Module) -> Adapter:
         f"Run `normfold analyze MODEL` to see which of its LayerNorms could be folded and why.")
 
 
+def example_inputs(model: nn.Module, generator: torch.Generator | None = None, *, adapter: Adapter | None = None,
+                   seq: int = 8) -> dict:
+    """Forward kwargs to run `model` with: `adapter`'s (default: the registered adapter for `model`)
+    example inputs, else inputs built from its config (`examples.config_inputs`, at most `seq` tokens).
+    `generator` defaults to one seeded with 0. Every example input normfold makes comes from here."""
+    g = generator if generator is not None else torch.Generator().manual_seed(0)
+    if adapter is None:
+        try:
+            adapter = find_adapter(model)
+        except UnsupportedModelError:
+            return config_inputs(model, g, seq)
+    return dict(adapter.example_inputs(model, g))
+
+
 def get_adapter(name: str) -> Adapter:
     _load()
     try:
@@ -113,5 +129,5 @@ def get_adapter(name: str) -> Adapter:
 __all__ = [
     "Adapter", "BlockTemplate", "Capabilities", "ConversionPlan", "KeptNorm", "NormSite", "StreamPlan",
     "StreamTemplate", "template_adapter", "register_adapter", "list_adapters", "find_adapter", "get_adapter",
-    "supported_families",
+    "supported_families", "example_inputs",
 ]

@@ -29,10 +29,10 @@ def modality_inputs(model: nn.Module, seed: int = 0) -> dict:
     text models, pixel values at the config's image size for vision models, log-mel features for audio
     models; plus a fixed `noise` for models that draw random masks in forward (ViTMAE), so the original
     and the converted model see the same mask."""
-    from .trace import forward_params, generic_inputs
+    from ..adapters.examples import config_inputs, forward_params
 
     g = torch.Generator().manual_seed(seed)
-    inputs = generic_inputs(model, g)
+    inputs = config_inputs(model, g)
     params = forward_params(model)
     cfg = getattr(model, "config", None)
     if "noise" in params and "pixel_values" in inputs and hasattr(cfg, "mask_ratio"):

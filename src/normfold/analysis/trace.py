@@ -1,7 +1,7 @@
 """Tracing a model into a `Graph`: torch.export first (robust for transformers models, keeps the
 module path of every op), torch.fx symbolic_trace as a fallback for plain nn.Modules that export
 cannot handle (e.g. custom ops without fake kernels). Also: example inputs for models without an
-adapter, and the names of the model's outputs (as normfold.verify spells them)."""
+adapter (from normfold.adapters), and the names of the model's outputs (as normfold.verify spells them)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,15 @@ import logging
 import torch
 from torch import nn
 
-from ..errors import NormfoldError, UnsupportedModelError, UntraceableModelError, first_line
+from ..adapters import example_inputs as adapter_examples
+from ..adapters.examples import INPUT_BUILDERS, forward_params
+from ..adapters.examples import config_inputs as generic_inputs
+from ..errors import NormfoldError, UntraceableModelError, first_line
 from .graph import Graph, from_export, from_fx
+
+# the old homes of the config-built inputs (now normfold.adapters.examples)
+__all__ = ["trace", "example_inputs", "as_kwargs", "output_names", "TRACERS", "INPUT_BUILDERS", "forward_params",
+           "generic_inputs"]
 
 TRACERS = ("auto", "export", "fx")
 
@@ -83,37 +90,13 @@ def _is_hf(model: nn.Module) -> bool:
 
 # ---- example inputs -----------------------------------------------------------------------------------
 
-def _ids(cfg, g, batch, seq):
-    return torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
-
-
-def _pixels(cfg, g, batch, seq):
-    size = getattr(cfg, "image_size", 32)
-    h, w = (size, size) if isinstance(size, int) else tuple(size)
-    return torch.randn(batch, getattr(cfg, "num_channels", 3), h, w, generator=g)
-
-
-def _features(cfg, g, batch, seq):
-    frames = 2 * getattr(cfg, "max_source_positions", 1500)  # Whisper's conv stem halves the frames
-    return torch.randn(batch, cfg.num_mel_bins, frames, generator=g)
-
-
-# Keyed by the model's main_input_name (transformers convention).
-INPUT_BUILDERS = {"input_ids": _ids, "pixel_values": _pixels, "input_features": _features}
-
-
 def example_inputs(model: nn.Module, seed: int = 0) -> dict:
-    """Inputs to trace with: the adapter's own when normfold has one, else built from the HF config."""
-    from ..adapters import find_adapter
-
-    g = torch.Generator().manual_seed(seed)
-    try:
-        inputs = dict(find_adapter(model).example_inputs(model, g))
-    except UnsupportedModelError:
-        inputs = generic_inputs(model, g)
+    """Inputs to trace with: `normfold.adapters.example_inputs` (the adapter's own when normfold has one,
+    else built from the HF config), run as normfold.verify runs the model."""
     from ..modelinfo import working_dtype
     from ..forward import accepts, cast_inputs
 
+    inputs = adapter_examples(model, torch.Generator().manual_seed(seed))
     inputs = cast_inputs(inputs, working_dtype(model))  # an adapter's float inputs may be float32
     # As normfold.verify runs the model: hidden states are outputs too (a final norm's output is one).
     if "use_cache" in forward_params(model):
@@ -121,32 +104,6 @@ def example_inputs(model: nn.Module, seed: int = 0) -> dict:
     if accepts(model, "output_hidden_states"):
         inputs.setdefault("output_hidden_states", True)
     return inputs
-
-
-def generic_inputs(model: nn.Module, g: torch.Generator) -> dict:
-    cfg = getattr(model, "config", None)
-    main = getattr(model, "main_input_name", None)
-    if cfg is None or main not in INPUT_BUILDERS:
-        raise NormfoldError(
-            f"cannot build example inputs for {type(model).__name__}"
-            + (f" (main input {main!r})" if main else "")
-            + ": pass them yourself, e.g. normfold.analyze(model, inputs={'x': torch.randn(2, 8, 64)})")
-    max_pos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 8
-    seq = max(2, min(8, max_pos))
-    batch = 1 if type(model).__name__.endswith("ForSequenceClassification") and \
-        getattr(cfg, "pad_token_id", None) is None else 2
-    inputs = {main: INPUT_BUILDERS[main](cfg, g, batch, seq)}
-    params = forward_params(model)
-    if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params:
-        inputs["decoder_input_ids"] = torch.randint(0, cfg.vocab_size, (batch, 4), generator=g)
-    return inputs
-
-
-def forward_params(model: nn.Module) -> dict:
-    try:
-        return dict(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return {}
 
 
 def as_kwargs(model: nn.Module, inputs) -> dict:

@@ -59,8 +59,8 @@ def run(args) -> int:
     import torch
 
     from .. import io
-    from ..adapters import find_adapter
-    from ..errors import NormfoldError, UnsupportedModelError
+    from ..adapters import example_inputs
+    from ..errors import NormfoldError
     from ..verify import CENTERED_OUTPUTS, compare_models
     from .convert_cmd import text_inputs
 
@@ -92,12 +92,7 @@ def run(args) -> int:
         inputs = text_inputs(args.original, args.text)
     else:
         gen = torch.Generator().manual_seed(args.seed)
-        try:
-            inputs = find_adapter(original).example_inputs(original, gen)
-        except UnsupportedModelError:
-            from ..adapters.base import default_inputs
-
-            inputs = default_inputs(original, gen)
+        inputs = example_inputs(original, gen, seq=16)
     steps.start("verify", "running both models")
     result = compare_models(original, converted, inputs, centered=centered, output_map=output_map,
                             skip=skip).to_dict()

@@ -38,7 +38,7 @@ from ..errors import UnsupportedConversionError, UnsupportedModelError
 from ..options import ConvertOptions, resolve as resolve_options
 from .phi import ModuleSpec, Recipe, Step, new_generation
 from .prepared import STATE_ATTR, PreparedState, StreamState, is_prepared, state
-from .probes import example_inputs, functional_dropout, locate_dropouts, unreached_norms
+from .probes import functional_dropout, locate_dropouts, probe_inputs, unreached_norms
 from .swap import NormSpec, prepared_class, prepared_norm_class, recenter_hook, recenter_pre_hook
 
 __all__ = ["TARGETS", "PreparedState", "prepare", "restore", "invalidate", "set_cache", "is_prepared", "state"]
@@ -178,7 +178,7 @@ def prepare(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
     for m in model.modules():
         m.__dict__["_nf_root"] = st
     object.__setattr__(model, STATE_ATTR, st)
-    probe = example_inputs(model, adapter, inputs)
+    probe = probe_inputs(model, adapter, inputs)
     if probe is not None and check:
         # φ must reach every norm: a parameter read outside its own module's forward (a head computing
         # F.linear(h, self.embed.weight)) would silently skip it

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..adapters import example_inputs
 from ..adapters.base import get
 from .prepared import PreparedState
 from .swap import dropout_hook
@@ -117,10 +118,11 @@ def _n_sources(stream) -> int:
     return len(stream.writers)
 
 
-def example_inputs(model, adapter, inputs):
+def probe_inputs(model, adapter, inputs):
+    """`inputs`, else the adapter's example inputs (None if it has none), floats in the model's dtype."""
     if inputs is None:
         try:
-            inputs = adapter.example_inputs(model, torch.Generator().manual_seed(0))
+            inputs = example_inputs(model, torch.Generator().manual_seed(0), adapter=adapter)
         except Exception:
             return None
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import algebra
+from ..adapters import example_inputs as adapter_examples
 from ..errors import NormfoldError
 from ..forward import accepts
 from ..nn.offline import FixedAffine, FoldedNorm, OfflineNorm, offline_norms
@@ -337,22 +338,13 @@ def _forward(model: nn.Module, inputs: dict):
 
 
 def example_inputs(model: nn.Module, generator: torch.Generator | None = None) -> dict:
-    """Inputs for the trace and the check: the adapter's, else from the config (text or images)."""
-    from ..adapters import find_adapter
-
-    g = generator or torch.Generator().manual_seed(0)
+    """Inputs for the trace and the check: `normfold.adapters.example_inputs` (the adapter's, else from
+    the config: text, images or audio), up to 16 tokens."""
     try:
-        return find_adapter(model).example_inputs(model, g)
-    except NormfoldError:
-        pass
-    cfg = getattr(model, "config", None)
-    size, channels = getattr(cfg, "image_size", None), getattr(cfg, "num_channels", None)
-    if isinstance(size, int) and isinstance(channels, int):
-        return {"pixel_values": torch.randn(2, channels, size, size, generator=g)}
-    if isinstance(getattr(cfg, "vocab_size", None), int):
-        return {"input_ids": torch.randint(0, cfg.vocab_size, (2, 16), generator=g)}
-    raise NormfoldError(f"normfold cannot make example inputs for {type(model).__name__}; pass inputs={{...}} "
-                        "(keyword arguments of its forward) to fuse_offline_norms")
+        return adapter_examples(model, generator, seq=16)
+    except NormfoldError as exc:
+        raise NormfoldError(f"normfold cannot make example inputs for {type(model).__name__}; pass inputs={{...}} "
+                            "(keyword arguments of its forward) to fuse_offline_norms") from exc
 
 
 def _fp64_error(original64: nn.Module, decisions: list[Decision], inputs: dict, reference: dict) -> float:
