@@ -1,6 +1,7 @@
 """Fused residual add + norm inside the sequential-residual blocks of every family normfold.fastpath covers
 beyond GPT-2 / ViT (issue 24 item 2): GPT-Neo, OPT (Pre-LN), BLOOM, GPT-NeoX (sequential), Falcon
-(sequential, RW style), DeiT, DINOv2, CLIP (both towers), Whisper (encoder and decoder).
+(sequential, RW style), GPT-BigCode, DeiT, DINOv2, CLIP / SigLIP / SigLIP2 (both towers), Whisper and
+mBART (encoder and decoder).
 
 Per family, a tiny model built in code, converted (rmsnorm and crmsnorm where normfold converts it),
 saved, and reloaded fast and with fast=False: float64 outputs <= 1e-12 apart and <= 1e-9 from the
@@ -103,6 +104,44 @@ def _whisper(**kw):
         lambda: {"input_features": torch.randn(2, 8, 160), "decoder_input_ids": ids()["input_ids"]}
 
 
+def _gpt_bigcode(**kw):
+    cfg = transformers.GPTBigCodeConfig(vocab_size=109, n_positions=96, n_embd=D, n_layer=2, n_head=4, multi_query=True,
+                                        bos_token_id=0, eos_token_id=0, pad_token_id=0, **kw)
+    return transformers.GPTBigCodeForCausalLM(cfg), _ids(109)
+
+
+def _mbart(**kw):
+    cfg = transformers.MBartConfig(vocab_size=99, max_position_embeddings=96, d_model=D, encoder_layers=2,
+                                   decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                                   encoder_ffn_dim=2 * D, decoder_ffn_dim=2 * D, pad_token_id=1, bos_token_id=0,
+                                   eos_token_id=2, decoder_start_token_id=2, scale_embedding=True, **kw)
+    ids = _ids(99)
+    return transformers.MBartForConditionalGeneration(cfg), \
+        lambda: {"input_ids": ids()["input_ids"], "decoder_input_ids": ids()["input_ids"]}
+
+
+_TEXT = dict(vocab_size=99, hidden_size=D, intermediate_size=2 * D, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=98, pad_token_id=1)
+
+
+def _siglip(**kw):
+    vision = dict(hidden_size=D, intermediate_size=2 * D, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                  patch_size=4, **kw)
+    cfg = transformers.SiglipConfig(text_config=dict(_TEXT, **kw), vision_config=vision)
+    ids, px = _ids(98), _pixels()
+    return transformers.SiglipModel(cfg), lambda: {**ids(), **px()}
+
+
+def _siglip2(**kw):
+    vision = dict(hidden_size=D, intermediate_size=2 * D, num_hidden_layers=2, num_attention_heads=4, num_patches=64,
+                  patch_size=4, **kw)
+    cfg = transformers.Siglip2Config(text_config=dict(_TEXT, **kw), vision_config=vision)
+    ids = _ids(98)
+    return transformers.Siglip2Model(cfg), lambda: {
+        **ids(), "pixel_values": torch.randn(3, 64, 3 * 4 * 4),
+        "pixel_attention_mask": torch.ones(3, 64, dtype=torch.long), "spatial_shapes": torch.tensor([[8, 8]] * 3)}
+
+
 def _whisper_causal(**kw):
     model, make = _whisper(**kw)
     ids = _ids(99)
@@ -123,10 +162,16 @@ FAMILIES = {
     "whisper": (_whisper, ("rmsnorm", "crmsnorm"),
                 {"WhisperEncoderLayer": ("final_layer_norm",),
                  "WhisperDecoderLayer": ("encoder_attn_layer_norm", "final_layer_norm")}),
+    "gpt_bigcode": (_gpt_bigcode, ("rmsnorm", "crmsnorm"), {"GPTBigCodeBlock": ("ln_2",)}),
+    "mbart": (_mbart, ("rmsnorm", "crmsnorm"),
+              {"MBartEncoderLayer": ("final_layer_norm",),
+               "MBartDecoderLayer": ("encoder_attn_layer_norm", "final_layer_norm")}),
+    "siglip": (_siglip, ("rmsnorm", "crmsnorm"), {"SiglipEncoderLayer": ("layer_norm2",)}),
+    "siglip2": (_siglip2, ("rmsnorm", "crmsnorm"), {"Siglip2EncoderLayer": ("layer_norm2",)}),
     # the decoder without encoder states: self-attention's add fused with final_layer_norm
     "whisper_causal": (_whisper_causal, ("rmsnorm", "crmsnorm"), {"WhisperDecoderLayer": ("final_layer_norm",)}),
 }
-DECODERS = ["gpt_neo", "opt", "bloom", "gpt_neox", "falcon", "whisper", "whisper_causal"]
+DECODERS = ["gpt_neo", "opt", "bloom", "gpt_neox", "falcon", "whisper", "gpt_bigcode", "mbart", "whisper_causal"]
 # each family's dropout (and drop-path) probabilities, for the training-mode check
 DROPOUT = {
     "gpt_neo": dict(resid_dropout=0.2, embed_dropout=0.1, attention_dropout=0.1),
@@ -139,6 +184,10 @@ DROPOUT = {
     "clip": dict(attention_dropout=0.2),
     "whisper": dict(dropout=0.2, attention_dropout=0.1, activation_dropout=0.1),
     "whisper_causal": dict(dropout=0.2, attention_dropout=0.1, activation_dropout=0.1),
+    "gpt_bigcode": dict(resid_pdrop=0.2, embd_pdrop=0.1, attn_pdrop=0.1),
+    "mbart": dict(dropout=0.2, attention_dropout=0.1, activation_dropout=0.1),
+    "siglip": dict(attention_dropout=0.2),
+    "siglip2": dict(attention_dropout=0.2),
 }
 CASES = [(f, to) for f, (_, tos, _) in FAMILIES.items() for to in tos]
 
@@ -149,7 +198,7 @@ def _inputs(make, dtype):
 
 
 def _out(family, out):
-    return out.logits_per_image if family == "clip" else out.logits
+    return out.logits_per_image if family in ("clip", "siglip", "siglip2") else out.logits
 
 
 def _rel(a, b):

@@ -17,8 +17,8 @@ never of what it computes or of what its checkpoint holds.
   Families: GPT-2 (HF `Conv1D`) and ViT / DeiT (`nn.Linear`), whose blocks only add the writer's
   output to the stream; float32 (and float64) only: in bfloat16 the d−1 GEMMs were not slower.
 - **Residual add fused with the next norm** inside transformers' blocks (`families/`: GPT-2, GPT-Neo,
-  OPT Pre-LN, BLOOM, GPT-NeoX and Falcon with a sequential residual, ViT, DeiT, DINOv2, CLIP, Whisper
-  encoder and decoder) (Liger-Kernel's pattern: the block's class is swapped for a subclass of the same name whose forward
+  OPT Pre-LN, BLOOM, GPT-NeoX and Falcon with a sequential residual, GPT-BigCode, ViT, DeiT, DINOv2,
+  CLIP / SigLIP / SigLIP2, Whisper and mBART encoder and decoder) (Liger-Kernel's pattern: the block's class is swapped for a subclass of the same name whose forward
   is transformers' own with `h = attn + residual; norm(h)` replaced by one call
   `residual, h = norm(attn, residual)`; normfold's RMSNorm / CRMSNorm take that optional residual and
   run `normfold.ops.add_rms_norm` / `add_crms_norm`: one pass, differentiable, torch.compile and

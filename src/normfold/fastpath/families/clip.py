@@ -1,4 +1,5 @@
-"""CLIP (transformers 5's CLIPEncoderLayer, both towers): the attention output's add fused with layer_norm2."""
+"""CLIP (transformers 5's CLIPEncoderLayer, both towers) and SigLIP / SigLIP2 (SiglipEncoderLayer,
+Siglip2EncoderLayer, written the same): the attention output's add fused with layer_norm2."""
 
 from __future__ import annotations
 
@@ -19,5 +20,7 @@ def _forward(base):
     return forward
 
 
-register(FusedBlock("CLIPEncoderLayer", "transformers.models.clip.modeling_clip", ("layer_norm2",), _forward,
-                    ("self", "hidden_states", "attention_mask", "kwargs")))
+for _name, _module in (("CLIPEncoderLayer", "clip.modeling_clip"), ("SiglipEncoderLayer", "siglip.modeling_siglip"),
+                      ("Siglip2EncoderLayer", "siglip2.modeling_siglip2")):
+    register(FusedBlock(_name, f"transformers.models.{_module}", ("layer_norm2",), _forward,
+                        ("self", "hidden_states", "attention_mask", "kwargs")))
