@@ -338,3 +338,42 @@ def test_uncovered_configurations_keep_transformers_code(tmp_path, builder):
     x = _inputs(make, torch.float64)
     with torch.no_grad():
         assert _rel(fast(**x).logits, plain(**x).logits) <= 1e-12
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_norm_replaced_after_fusing_runs_transformers_code(tmp_path, family):
+    """A fused block whose norm is no longer a normfold stream norm (replaced after fusing) falls back to
+    transformers' forward: the same outputs as the fast=False model given the same replacement."""
+    names = FAMILIES[family][2]
+    model, make = _build(family, torch.float64)
+    fast, plain = _saved(tmp_path, model, "rmsnorm")
+    plain_mods = dict(plain.named_modules())
+    n = 0
+    for name, block in [(n, b) for n, b in fast.named_modules() if type(b).__name__ in names]:
+        assert fastpath.is_fused(block)
+        for attr in names[type(block).__name__]:
+            torch.manual_seed(n)
+            ln = torch.nn.LayerNorm(getattr(block, attr).normalized_shape, dtype=torch.float64)
+            torch.nn.init.normal_(ln.weight)
+            setattr(block, attr, ln)
+            setattr(plain_mods[name], attr, ln)
+            n += 1
+    assert n >= 2
+    x = _inputs(make, torch.float64)
+    with torch.no_grad():
+        assert _rel(_out(family, fast(**x)), _out(family, plain(**x))) <= 1e-12
+
+
+# the reverse conversion needs an adapter: DINOv2 (derived plan) has none
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "dinov2"])
+def test_reverse_conversion_unfuses(tmp_path, family):
+    """convert(fast model, to='layernorm') refreshes the fast paths: no block stays fused (its norms are
+    LayerNorms again), and the stock Pre-LN model computes the original function."""
+    names = FAMILIES[family][2]
+    model, make = _build(family, torch.float64)
+    fast, _ = _saved(tmp_path, model, FAMILIES[family][1][-1])
+    back, _ = normfold.convert(fast, to="layernorm", verify=False)
+    assert _blocks(back, names) and not any(fastpath.is_fused(m) for m in back.modules())
+    x = _inputs(make, torch.float64)
+    with torch.no_grad():
+        assert _rel(_out(family, back(**x)), _out(family, model(**x))) <= 1e-9
