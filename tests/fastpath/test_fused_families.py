@@ -377,3 +377,14 @@ def test_reverse_conversion_unfuses(tmp_path, family):
     x = _inputs(make, torch.float64)
     with torch.no_grad():
         assert _rel(_out(family, back(**x)), _out(family, model(**x))) <= 1e-9
+
+
+def test_bloom_compiles_fullgraph(tmp_path):
+    """BLOOM's fused block hands BloomAttention an additive-identity object, which dynamo cannot trace: under
+    torch.compile the block runs transformers' code (one graph, the same function)."""
+    model, make = _build("bloom", torch.float32)
+    fast, _ = _saved(tmp_path, model, "crmsnorm")
+    x = {**_inputs(make, torch.float32), "use_cache": False}
+    with torch.no_grad():
+        want = fast(**x).logits
+        assert _rel(torch.compile(fast, fullgraph=True)(**x).logits, want) <= 1e-5

@@ -5,11 +5,15 @@ BloomAttention adds the residual itself (its last line is `dropout_add(output, r
 the other operand unchanged, so the attention returns its dropped-out output itself (the very tensor,
 no extra pass), and post_attention_layernorm adds the real residual in its fused kernel: the same sum
 as transformers', computed once. Blocks with apply_residual_connection_post_layernorm keep transformers'
-code (normfold keeps their norms LayerNorm anyway)."""
+code (normfold keeps their norms LayerNorm anyway), and so does torch.compile (dynamo cannot trace the
+object's `+`: transformers' add and the norm are left to inductor); torch.export (non-strict) traces
+the fused form."""
 
 from __future__ import annotations
 
 import inspect
+
+import torch
 
 from ..blocks import FusedBlock, fusable, register
 
@@ -42,7 +46,8 @@ def _applies(block) -> bool:
 def _forward(base):
     def forward(self, hidden_states, alibi, attention_mask, layer_past=None, use_cache=False, output_attentions=False,
                 **kwargs):
-        if self.apply_residual_connection_post_layernorm or not fusable(self.post_attention_layernorm):
+        if self.apply_residual_connection_post_layernorm or not fusable(self.post_attention_layernorm) \
+                or torch.compiler.is_compiling():  # dynamo cannot trace `_NO_RESIDUAL + tensor`
             return base.forward(self, hidden_states, alibi, attention_mask, layer_past=layer_past, use_cache=use_cache,
                                 output_attentions=output_attentions, **kwargs)
         layernorm_output = self.input_layernorm(hidden_states)
