@@ -153,6 +153,10 @@ FAMILIES = {
     "gpt_neo": (_gpt_neo, ("rmsnorm", "crmsnorm"), {"GPTNeoBlock": ("ln_2",)}),
     "opt": (_opt, ("rmsnorm", "crmsnorm"), {"OPTDecoderLayer": ("final_layer_norm",)}),
     "bloom": (_bloom, ("rmsnorm", "crmsnorm"), {"BloomBlock": ("post_attention_layernorm",)}),
+    # pretraining_tp > 1 with slow_but_exact: the attention's sliced dense, then the same residual hand-off
+    # (crmsnorm is refused by design for it: the accumulator is d wide)
+    "bloom_tp2": (lambda **kw: _bloom(pretraining_tp=2, slow_but_exact=True, **kw), ("rmsnorm",),
+                  {"BloomBlock": ("post_attention_layernorm",)}),
     "gpt_neox": (_gpt_neox, ("rmsnorm", "crmsnorm"), {"GPTNeoXLayer": ("post_attention_layernorm",)}),
     "falcon": (_falcon, ("rmsnorm", "crmsnorm"), {"FalconDecoderLayer": ("post_attention_layernorm",)}),
     "deit": (_deit, ("rmsnorm", "crmsnorm"), {"DeiTLayer": ("layernorm_after",)}),
@@ -171,12 +175,14 @@ FAMILIES = {
     # the decoder without encoder states: self-attention's add fused with final_layer_norm
     "whisper_causal": (_whisper_causal, ("rmsnorm", "crmsnorm"), {"WhisperDecoderLayer": ("final_layer_norm",)}),
 }
-DECODERS = ["gpt_neo", "opt", "bloom", "gpt_neox", "falcon", "whisper", "gpt_bigcode", "mbart", "whisper_causal"]
+DECODERS = ["gpt_neo", "opt", "bloom", "bloom_tp2", "gpt_neox", "falcon", "whisper", "gpt_bigcode", "mbart",
+            "whisper_causal"]
 # each family's dropout (and drop-path) probabilities, for the training-mode check
 DROPOUT = {
     "gpt_neo": dict(resid_dropout=0.2, embed_dropout=0.1, attention_dropout=0.1),
     "opt": dict(dropout=0.2, attention_dropout=0.1),
     "bloom": dict(hidden_dropout=0.2, attention_dropout=0.1),
+    "bloom_tp2": dict(hidden_dropout=0.2, attention_dropout=0.1),
     "gpt_neox": dict(hidden_dropout=0.2, attention_dropout=0.1),
     "falcon": dict(hidden_dropout=0.2, attention_dropout=0.1),
     "deit": dict(hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.1),
