@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import normfold
-from helpers import realistic
+from helpers import realistic, run_flat
 from normfold import fastpath
 from normfold.nn.norms import LN_ROUTE_MAX_NUMEL
 
@@ -240,6 +240,10 @@ def test_fused_exact_in_float64(tmp_path, family, to):
         got, ref, orig = (_out(family, m(**x)) for m in (fast, plain, model))
     assert _rel(got, ref) <= 1e-12
     assert _rel(got, orig) <= 1e-9
+    every, every_ref = run_flat(fast, x), run_flat(plain, x)  # hidden states (the stream) included
+    assert every.keys() == every_ref.keys() and any("hidden_states" in k for k in every)
+    for k in every:
+        assert _rel(every[k], every_ref[k]) <= 1e-12, k
     for m in blocks:  # unfused again: transformers' code, the same outputs
         assert fastpath.unfuse_block(m)
     with torch.no_grad():
