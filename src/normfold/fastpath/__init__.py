@@ -16,15 +16,18 @@ never of what it computes or of what its checkpoint holds.
   call: `model.to(dtype)` or a reassigned `.data` silently falls back to the plain path).
   Families: GPT-2 (HF `Conv1D`) and ViT / DeiT (`nn.Linear`), whose blocks only add the writer's
   output to the stream; float32 (and float64) only: in bfloat16 the d−1 GEMMs were not slower.
-- **Residual add fused with the next norm** inside transformers' `GPT2Block` and `ViTLayer`
-  (Liger-Kernel's pattern: the block's class is swapped for a subclass of the same name whose forward
+- **Residual add fused with the next norm** inside transformers' blocks (`families/`: GPT-2, GPT-Neo,
+  OPT Pre-LN, BLOOM, GPT-NeoX and Falcon with a sequential residual, GPT-BigCode, ViT, DeiT, DINOv2,
+  CLIP / SigLIP / SigLIP2, Whisper and mBART encoder and decoder) (Liger-Kernel's pattern: the block's class is swapped for a subclass of the same name whose forward
   is transformers' own with `h = attn + residual; norm(h)` replaced by one call
   `residual, h = norm(attn, residual)`; normfold's RMSNorm / CRMSNorm take that optional residual and
   run `normfold.ops.add_rms_norm` / `add_crms_norm`: one pass, differentiable, torch.compile and
   torch.export run the registered custom op or the reference formula). Decode-sized inputs
   (≤ LN_ROUTE_MAX_NUMEL) keep the unfused pair, so `generate()` takes the same route as unfused.
-  Exact: float64 ≤ 1e-12 against the unfused model (tests/test_fastpath.py). The block's MLP add is
-  not fused with the next block's norm (that would change the block's output contract).
+  Exact: float64 ≤ 1e-12 against the unfused model (tests/test_fastpath.py, tests/fastpath/). The
+  block's MLP add is not fused with the next block's norm (that would change the block's output
+  contract); parallel-residual blocks (GPT-NeoX / Pythia, Falcon-7B/40B) have no add before a norm
+  inside the block and keep transformers' code (`FusedBlock.applies`).
 
 `normfold.convert(..., fast=True)` applies the same (and `refresh` after a reverse conversion);
 `strip(model)` removes everything.

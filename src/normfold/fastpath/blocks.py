@@ -24,13 +24,15 @@ class FusedBlock:
     `forward(base)` returns the patched forward, given the transformers class (the patch falls back to
     `base.forward` where it does not apply: cross-attention, a norm converted back to LayerNorm, ...).
     `norms` names every norm attribute that the patched forward calls with a residual: all must be
-    normfold stream norms (`fusable`) for the block to be fused."""
+    normfold stream norms (`fusable`) for the block to be fused. `applies(block)`, when given, must also
+    hold (a configuration the patch covers: GPT-NeoX's sequential residual, Falcon's non-parallel block)."""
 
     class_name: str
     module: str
     norms: tuple[str, ...]
     forward: Callable[[type], Callable]
     parameters: tuple[str, ...]
+    applies: Callable[[nn.Module], bool] | None = None
 
 
 FUSED_BLOCKS: dict[str, FusedBlock] = {}
@@ -69,7 +71,8 @@ def fuse_block(block: nn.Module) -> bool:
     next norm, when the block is of a registered family and its norms are normfold stream norms."""
     spec = FUSED_BLOCKS.get(type(block).__name__)
     if spec is None or is_fused(block) or type(block).__module__ != spec.module \
-            or not all(fusable(getattr(block, n, None)) for n in spec.norms):
+            or not all(fusable(getattr(block, n, None)) for n in spec.norms) \
+            or (spec.applies is not None and not spec.applies(block)):
         return False
     base = type(block)
     cls = _FUSED_CLASSES.get(base)

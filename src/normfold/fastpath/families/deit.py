@@ -1,0 +1,24 @@
+"""DeiT (transformers 5's DeiTLayer): the attention output's add fused with layernorm_after."""
+
+from __future__ import annotations
+
+from ..blocks import FusedBlock, fusable, register
+
+
+def _forward(base):
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        if not fusable(self.layernorm_after):
+            return base.forward(self, hidden_states, attention_mask, **kwargs)
+        residual = hidden_states
+        hidden_states = self.layernorm_before(hidden_states)
+        hidden_states, _ = self.attention(hidden_states, attention_mask, **kwargs)
+        hidden_states = self.dropout(hidden_states)
+        residual, hidden_states = self.layernorm_after(hidden_states, residual)  # + residual, then the norm
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = self.dropout(hidden_states)
+        return hidden_states + residual
+    return forward
+
+
+register(FusedBlock("DeiTLayer", "transformers.models.deit.modeling_deit", ("layernorm_after",), _forward,
+                    ("self", "hidden_states", "attention_mask", "kwargs")))
