@@ -53,6 +53,8 @@ def test_train_speed_runs(tmp_path, monkeypatch):
 
     monkeypatch.setattr(btrain, "step_setups", setups)
     rows, paths = btrain.run_speed(tmp_path, rounds=2, compile=False, progress=False)
-    assert [r["variant"] for r in rows] == ["layernorm", "normfold-rmsnorm", "normfold-crmsnorm"]
-    assert rows[0]["vs_layernorm"] == 1.0
+    assert [r["variant"] for r in rows] == list(btrain.SPEED_VARIANTS)
+    assert rows[0]["vs_layernorm"] == 1.0 and rows[0]["verdict"] == ""
     assert all(r["q25_ms"] <= r["median_ms"] <= r["q75_ms"] for r in rows)
+    assert all(r["vs_layernorm_q25"] <= r["vs_layernorm"] <= r["vs_layernorm_q75"] for r in rows)
+    assert all(r["verdict"] in ("faster", "same", "slower") for r in rows[1:])

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .results import write
-from .timing import Bar, machine_info, measure
+from .timing import Bar, machine_info, measure, paired, ratio_verdict
 
 VARIANTS = ("layernorm", "normfold-rmsnorm", "normfold-crmsnorm", "naive-rmsnorm", "layernorm-1ulp")
 HOLDOUT_EVERY = 20
@@ -137,10 +137,10 @@ def make_variant(base: nn.Module, name: str) -> nn.Module:
     from .. import train
 
     m = copy.deepcopy(base)
-    if name == "normfold-rmsnorm":
-        train.prepare(m, to="rmsnorm")
-    elif name == "normfold-crmsnorm":
-        train.prepare(m, to="crmsnorm")
+    if name in ("normfold-rmsnorm", "normfold-crmsnorm"):
+        train.prepare(m, to=name.split("-")[1])
+    elif name in ("normfold-rmsnorm-unfused", "normfold-crmsnorm-unfused"):  # transformers' own block code
+        train.prepare(m, to=name.split("-")[1], fast=False)
     elif name == "naive-rmsnorm":
         naive_swap(m)
     elif name == "layernorm-1ulp":
@@ -303,6 +303,12 @@ def step_setups(quick: bool = False):
         yield "ViT-S/16, batch 8", vit_small, vit(8)
 
 
+# "layernorm-copy": a second, separately allocated LayerNorm model (the A/A control: the difference
+# this machine invents between identical models); "-unfused": prepared with fast=False.
+SPEED_VARIANTS = ("layernorm", "layernorm-copy", "normfold-rmsnorm", "normfold-rmsnorm-unfused", "normfold-crmsnorm",
+                  "normfold-crmsnorm-unfused")
+
+
 def run_speed(out_dir, *, rounds: int = 15, quick: bool = False, compile: bool = True, progress: bool = True,
               dropout: bool = False):
     """Eager settings first, then compiled ones; the tables are rewritten after every setting, so an
@@ -310,7 +316,8 @@ def run_speed(out_dir, *, rounds: int = 15, quick: bool = False, compile: bool =
     rows = []
     setups = list(step_setups(quick))
     modes = ["eager"] + (["compiled"] if compile else [])
-    cols = ["model", "mode", "variant", "median_ms", "q25_ms", "q75_ms", "vs_layernorm", "slower_quartiles_disjoint"]
+    cols = ["model", "mode", "variant", "median_ms", "q25_ms", "q75_ms", "vs_layernorm", "vs_layernorm_q25",
+            "vs_layernorm_q75", "verdict"]
     machine = machine_info()
     name = "train-speed-dropout" if dropout else "train-speed"
     title = ("Training step time (forward + backward + AdamW), LayerNorm vs prepared"
@@ -326,7 +333,7 @@ def run_speed(out_dir, *, rounds: int = 15, quick: bool = False, compile: bool =
                         m.p = 0.0
             batch = batch_fn(torch.Generator().manual_seed(0))
             cands = {}
-            for v in ("layernorm", "normfold-rmsnorm", "normfold-crmsnorm"):
+            for v in SPEED_VARIANTS:
                 m = make_variant(base, v).train()
                 fwd = torch.compile(m) if mode == "compiled" else m
                 opt = optimizer(m, 1e-4)
@@ -341,9 +348,11 @@ def run_speed(out_dir, *, rounds: int = 15, quick: bool = False, compile: bool =
             stats = measure(cands, rounds=rounds, warmup=2 if mode == "eager" else 3, min_time=0)
             ln = stats["layernorm"]
             for v, st in stats.items():
+                r = paired(st, ln)  # per-round ratios: each round times every variant once, back to back
                 rows.append({"model": label, "mode": mode, "variant": v, "median_ms": st.median * 1e3,
-                             "q25_ms": st.q25 * 1e3, "q75_ms": st.q75 * 1e3, "vs_layernorm": st.median / ln.median,
-                             "slower_quartiles_disjoint": bool(st.q25 > ln.q75) if v != "layernorm" else ""})
+                             "q25_ms": st.q25 * 1e3, "q75_ms": st.q75 * 1e3, "vs_layernorm": r.median,
+                             "vs_layernorm_q25": r.q25, "vs_layernorm_q75": r.q75,
+                             "verdict": ratio_verdict(r) if v != "layernorm" else ""})
             paths = write(rows, name, out_dir, machine, cols, title)
             bar.step()
     bar.close()

@@ -49,7 +49,11 @@ def fusable(norm: nn.Module | None) -> bool:
     """A normfold stream norm whose forward takes the fused `residual` argument and runs it fused: RMSNorm,
     CRMSNorm, and the compressed stream's CRMSNorm (normfold.compress.runtime.StreamCRMSNorm, recognized
     by its `width` / `pad` / `decompress` attributes: this module sits below compress) when it neither pads
-    nor decompresses."""
+    nor decompresses. Any other norm whose class sets `fuses_residual_add = True` takes the same
+    `forward(x, residual) -> (x + residual, norm(x + residual))` contract: normfold.train's prepared
+    LayerNorms (training on the fused path)."""
+    if getattr(type(norm), "fuses_residual_add", False):
+        return True
     if not isinstance(norm, NORMS):
         return False
     if hasattr(norm, "width"):

@@ -31,7 +31,7 @@ import warnings
 
 from torch import Tensor, nn
 
-from .. import algebra
+from .. import algebra, fastpath
 from ..adapters import Adapter, ConversionPlan, NormSite, find_adapter
 from ..adapters.base import get
 from ..errors import UnsupportedConversionError, UnsupportedModelError
@@ -74,7 +74,7 @@ def _linear_reader_bias(reader: nn.Module) -> Tensor | None:
 def prepare(model: nn.Module, to: str | None = None, *, options: ConvertOptions | None = None,
             keep_affine: bool | None = None, fold: bool | None = None, fold_final: bool | None = None,
             cache: bool = True, adapter: Adapter | None = None, inputs: dict | None = None,
-            dropout: str = "exact", check: bool = True) -> nn.Module:
+            dropout: str = "exact", check: bool = True, fast: bool = True) -> nn.Module:
     """Make `model` (a Pre-LN model) compute as Pre-RMSNorm (`to="rmsnorm"`) or Pre-CRMSNorm
     (`to="crmsnorm"`, width d kept: docs/training.md) while its parameters stay θ. In place; returns
     `model`. Parameters, their names, `state_dict()` keys and module types seen by optimizers and
@@ -97,6 +97,9 @@ def prepare(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
         training mode (LayerNorm arithmetic). "ignore": skip this (only for dropout-free models).
     check: run the example inputs once in eval mode and refuse (UnsupportedConversionError, model left
         unprepared) if some norm's input is not zero-mean, i.e. φ did not reach a writer.
+    fast: run the residual add and the next norm as one pass inside the blocks of the families that
+        `normfold.fastpath` knows (forward and backward, the same fused blocks `normfold.load` uses);
+        False keeps transformers' block code. `restore` undoes it.
     """
     if fold is not None:  # the old spelling, with the opposite sense
         warnings.warn("train.prepare(fold=...) is deprecated; use keep_affine=... (keep_affine = not fold)",
@@ -193,6 +196,8 @@ def prepare(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
     if dropout == "exact" and (any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
                                or functional_dropout(model)):
         locate_dropouts(model, adapter, plan, writer_modules, specs, st, probe, crms)
+    if fast:
+        fastpath.fuse_blocks(model)
     return model
 
 
@@ -238,6 +243,8 @@ def _prepare_norm(model, site: NormSite, fold: bool, fold_final: bool, crms: boo
 def restore(model: nn.Module) -> nn.Module:
     """Undo `prepare` in place: the plain LayerNorm model with its (trained) θ. Returns `model`."""
     st = state(model)
+    for m in model.modules():
+        fastpath.unfuse_block(m)
     for m, hook_id in st.hooks:  # (module, id), not RemovableHandles: those survive deepcopy pointing at the original
         for d in ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
                   "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):

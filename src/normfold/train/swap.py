@@ -65,12 +65,22 @@ def _crms_scale(x: Tensor) -> Tensor:
     return torch.full((d,), (d / (d + 1)) ** 0.5, dtype=x.dtype, device=x.device)
 
 
-def _norm_forward(self: nn.Module, x: Tensor) -> Tensor:
+def _norm_forward(self: nn.Module, x: Tensor, residual: Tensor | None = None):
+    """The prepared norm. With `residual` (normfold.fastpath's fused blocks call it so) it returns
+    (x + residual, norm(x + residual)), the add fused into the norm's pass where the kernel allows."""
     s: NormSpec = self.__dict__["_nf_norm"]
     eps = float(self.eps)
     w = self.weight if s.keep_weight else None
     b = self.bias if s.keep_bias else None
     fallback = self.training and s.stream.layernorm_in_training
+    if residual is not None:
+        if s.to == "rmsnorm" and not fallback:
+            return ops.add_rms_norm(x, residual, w, b, eps)
+        if s.to == "crmsnorm" and not fallback and w is None and b is None:
+            d = x.shape[-1]
+            return ops.add_crms_norm(x, residual, _crms_scale(x), None, eps * d / (d + 1))
+        total = x + residual
+        return total, _norm_forward(self, total)
     if s.to == "rmsnorm":
         if fallback:
             x = x - x.mean(-1, keepdim=True)
@@ -95,7 +105,9 @@ _NORM_CLASSES: dict[type, type] = {}
 def prepared_norm_class(cls: type) -> type:
     if cls not in _NORM_CLASSES:
         _NORM_CLASSES[cls] = type(f"Prepared{cls.__name__}", (cls,),
-                                  {"forward": _norm_forward, "_normfold_original_class": cls})
+                                  {"forward": _norm_forward, "_normfold_original_class": cls,
+                                   # normfold.fastpath may fuse the residual add before it into this norm
+                                   "fuses_residual_add": True})
     return _NORM_CLASSES[cls]
 
 

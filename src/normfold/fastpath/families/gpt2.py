@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..blocks import NORMS, FusedBlock, register
+from ..blocks import FusedBlock, fusable, register
 
 
 def _forward(base):
@@ -12,7 +12,7 @@ def _forward(base):
             return base.forward(self, hidden_states, cache=cache, attention_mask=attention_mask,
                                 encoder_hidden_states=encoder_hidden_states,
                                 encoder_attention_mask=encoder_attention_mask, use_cache=use_cache, **kwargs)
-        if not isinstance(self.ln_2, NORMS):  # converted back to LayerNorm since it was fused
+        if not fusable(self.ln_2):  # converted back to LayerNorm since it was fused
             return base.forward(self, hidden_states, cache=cache, attention_mask=attention_mask,
                                 use_cache=use_cache, **kwargs)
         residual = hidden_states

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from ..blocks import NORMS, FusedBlock, register
+from ..blocks import FusedBlock, fusable, register
 
 
 def _forward(base):
     def forward(self, hidden_states, attention_mask=None, **kwargs):
-        if not isinstance(self.layernorm_after, NORMS):
+        if not fusable(self.layernorm_after):
             return base.forward(self, hidden_states, attention_mask, **kwargs)
         residual = hidden_states
         hidden_states = self.layernorm_before(hidden_states)
