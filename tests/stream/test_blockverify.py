@@ -274,3 +274,25 @@ def test_cli_chooses_blockwise_above_threshold(tmp_path, capsys, monkeypatch):
     assert "blockwise" in json.loads(capsys.readouterr().out)
     assert main(["verify", str(orig), str(conv), "--json", "-q", "--no-blockwise"]) == 0
     assert "blockwise" not in json.loads(capsys.readouterr().out)
+
+
+def test_reused_buffers_and_embedding_rows_change_nothing(tmp_path, monkeypatch):
+    """Issue 26: a pass refills the previous block's freed buffers (BufferPool) and reads only the looked-up rows
+    of an embedding table; the result is the same dict, value for value, as with neither, and the buffers are
+    really reused."""
+    orig, conv, _ = make(tmp_path, "gpt2", head="GPT2LMHeadModel")
+    reused = []
+    take = blockverify.BufferPool.take
+
+    def counted(self, shape, dtype):
+        t = take(self, shape, dtype)
+        reused.append(t is not None)
+        return t
+
+    monkeypatch.setattr(blockverify.BufferPool, "take", counted)
+    fast = verify_blockwise(orig, conv)
+    assert fast["passed"] and any(reused)
+    monkeypatch.setattr(blockverify.BufferPool, "give", lambda self, t: None)
+    monkeypatch.setattr(blockverify, "_lookup_rows", lambda mod, args, kwargs: None)
+    plain = verify_blockwise(orig, conv)
+    assert fast == plain

@@ -80,6 +80,7 @@ class CheckpointReader:
                                   "reads safetensors only")
         self._handles: dict[Path, object] | None = None
         self._headers: dict[Path, dict] = {}
+        self._stage: Tensor | None = None
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
@@ -118,12 +119,17 @@ class CheckpointReader:
                 self._headers[f] = read_header(f)[0]
         return self._headers[f][name]
 
-    def get(self, name: str) -> Tensor:
-        """A private copy read with pread: no memory map, so no file pages stay resident beside it."""
-        from .safetensors_io import read_tensor
+    def get(self, name: str, out: Tensor | None = None) -> Tensor:
+        """A private copy read with pread: no memory map, so no file pages stay resident beside it. `out`
+        (a contiguous tensor of the stored shape and dtype) is filled instead of a new tensor."""
+        from .safetensors_io import read_into, read_tensor
 
         with _checkpoint_errors(self.files[name]):
-            return read_tensor(self._info(name))
+            if out is None:
+                return read_tensor(self._info(name))
+            entry = self._info(name)
+            read_into(entry.file, entry.start, out)
+            return out
 
     def info(self, name: str) -> tuple[tuple, torch.dtype]:
         """(shape, dtype) of a stored tensor, from the header."""
@@ -132,27 +138,48 @@ class CheckpointReader:
             raise CheckpointError(f"{entry.file}: tensor {name!r} has dtype {entry.dtype}, which normfold does not read")
         return tuple(entry.shape), _SAFETENSORS_DTYPES[entry.dtype]
 
-    def get_as(self, name: str, dtype: torch.dtype, chunk_bytes: int = 1 << 24) -> Tensor:
-        """The tensor cast to `dtype`, read (pread) in slices of rows: the stored-dtype copy that a
-        whole-tensor read and cast would hold next to the result is never larger than `chunk_bytes`."""
-        from dataclasses import replace
+    def _staging(self, nbytes: int) -> Tensor:
+        """One reused byte buffer for reads that are cast (no fresh pages per chunk)."""
+        if self._stage is None or self._stage.numel() < nbytes:
+            self._stage = torch.empty(nbytes, dtype=torch.uint8)
+        return self._stage[:nbytes]
 
-        from .safetensors_io import read_tensor
+    def get_as(self, name: str, dtype: torch.dtype, chunk_bytes: int = 1 << 24, out: Tensor | None = None) -> Tensor:
+        """The tensor cast to `dtype`, read (pread) in slices of rows through one reused staging buffer: the
+        stored-dtype copy that a whole-tensor read and cast would hold next to the result is never larger
+        than `chunk_bytes`. `out` (contiguous, the stored shape, `dtype`) is filled instead of a new tensor."""
+        from .safetensors_io import read_into
 
         entry = self._info(name)
         shape, stored = self.info(name)
-        if len(shape) == 0 or entry.nbytes <= chunk_bytes:
-            return self.get(name).to(dtype)
-        out = torch.empty(shape, dtype=dtype)
-        row = max(1, entry.nbytes // shape[0])
+        if out is None:
+            out = torch.empty(shape, dtype=dtype)
+        if len(shape) == 0:
+            out.copy_(self.get(name))
+            return out
+        row = max(1, entry.nbytes // max(1, shape[0]))
         step = max(1, chunk_bytes // row)
         with _checkpoint_errors(entry.file):
             for i in range(0, shape[0], step):
                 k = min(step, shape[0] - i)
-                part = replace(entry, shape=(k, *shape[1:]), start=entry.start + i * row,
-                               end=entry.start + (i + k) * row)
-                out[i:i + k] = read_tensor(part)
+                part = self._staging(k * row).view(stored).view(k, *shape[1:])
+                read_into(entry.file, entry.start + i * row, part)
+                out[i:i + k].copy_(part)
         return out
+
+    def get_rows(self, name: str, rows: Tensor, dtype: torch.dtype, out: Tensor) -> None:
+        """Only `rows` (indices along the first axis) of the tensor, cast to `dtype`, written into `out` (the
+        full shape; the other rows are left as they are): an embedding looked up by a few tokens."""
+        from .safetensors_io import read_into
+
+        entry = self._info(name)
+        shape, stored = self.info(name)
+        row = entry.nbytes // max(1, shape[0])
+        part = self._staging(row).view(stored).view(*shape[1:])
+        with _checkpoint_errors(entry.file):
+            for r in rows.tolist():
+                read_into(entry.file, entry.start + r * row, part)
+                out[r].copy_(part)
 
     def dtype(self) -> torch.dtype:
         """The stored floating dtype (of the first floating tensor, in name order)."""
@@ -270,6 +297,9 @@ class Streamer:
                 names = [full] + [a for a in aliases.get(id(p), []) if a != full]
                 self.slots[full] = (module, pname, tuple(p.shape), names)
                 self.of_module.setdefault(id(module), []).append(full)
+        self.pool = BufferPool()
+        self.lookup_rows: dict[str, Tensor] = {}  # unit -> the token ids its next load is for (embeddings)
+        self.reusable: set[int] = set()  # data pointers of loaded tensors filled whole (a pooled buffer can be refilled)
         buffers = {n for n, _ in model.named_buffers()}
         self.keymap = checkpoint_keys(model, list(reader.files), set(self.slots) | buffers)
         # Persistent buffers stored in the checkpoint (small: position ids, a head's row means, ...)
@@ -283,9 +313,12 @@ class Streamer:
                     owner._buffers[leaf] = t
         self.set_dtype(dtype)
 
-    def set_dtype(self, dtype: torch.dtype) -> None:
-        """Every parameter becomes a placeholder of `dtype`; floating buffers are cast to it."""
+    def set_dtype(self, dtype: torch.dtype, pool_units: tuple | list = ()) -> None:
+        """Every parameter becomes a placeholder of `dtype`; floating buffers are cast to it. Freed weights
+        are kept for reuse up to the largest of `pool_units` in this dtype (see BufferPool; none by default)."""
         self.dtype = dtype
+        self.pool.clear()
+        self.reusable.clear()
         for module, pname, shape, _ in self.slots.values():
             p = module._parameters[pname]
             module._parameters[pname] = _placeholder(shape, dtype if p.is_floating_point() else p.dtype)
@@ -293,6 +326,7 @@ class Streamer:
             for bname, b in list(module._buffers.items()):
                 if b is not None and b.is_floating_point():
                     module._buffers[bname] = b.to(dtype)
+        self.pool.budget = max((self.nbytes(u) for u in pool_units), default=0)
 
     def unit_slots(self, path: str) -> list[str]:
         """The parameters a unit needs: those of its subtree and of modules it references without
@@ -316,11 +350,15 @@ class Streamer:
         return sum(math.prod(self.slots[f][2]) * size for f in self.unit_slots(path))
 
     def load(self, path: str) -> int:
+        """Materialize the unit's parameters (in the current dtype); returns their bytes. A unit in
+        `lookup_rows` is an embedding looked up at those token ids only: just those rows are read (the rest
+        of the table is uninitialised memory that nothing reads, so it is never touched: no resident pages)."""
         with self.reader.session():
-            return self._load(path)
+            return self._load(path, self.lookup_rows.pop(path, None))
 
-    def _load(self, path: str) -> int:
+    def _load(self, path: str, rows: Tensor | None = None) -> int:
         n = 0
+        wanted = []
         for full in self.unit_slots(path):
             module, pname, shape, names = self.slots[full]
             key = next((self.keymap[x] for x in names if x in self.keymap), None)
@@ -331,21 +369,69 @@ class Streamer:
             if stored_shape != shape:
                 raise CheckpointError(f"{self.reader.dir}: tensor {key!r} has shape {stored_shape} but the "
                                       f"model built from config.json expects {shape}")
-            if stored_dtype.is_floating_point and stored_dtype != self.dtype:
-                t = self.reader.get_as(key, self.dtype)
+            dtype = self.dtype if stored_dtype.is_floating_point else stored_dtype
+            wanted.append((full, key, shape, stored_dtype, dtype))
+        # buffers freed by the previous unit of the same shapes (the next block) are refilled; anything else in
+        # the pool is dropped before new memory is taken, so the pool never adds to a larger unit's peak
+        bufs = [self.pool.take(shape, dtype) if rows is None else None for _, _, shape, _, dtype in wanted]
+        if any(b is None for b in bufs) and self.pool.bytes:
+            self.pool.clear()
+            _return_freed_memory()
+        for (full, key, shape, stored_dtype, dtype), buf in zip(wanted, bufs):
+            module, pname = self.slots[full][:2]
+            if buf is None:
+                buf = torch.empty(shape, dtype=dtype)
+            if rows is not None and len(shape) == 2:
+                self.reader.get_rows(key, rows, dtype, buf)
+            elif dtype != stored_dtype:
+                self.reader.get_as(key, dtype, out=buf)
             else:
-                t = self.reader.get(key)
-            module._parameters[pname] = nn.Parameter(t, requires_grad=False)
-            n += t.numel() * t.element_size()
+                self.reader.get(key, out=buf)
+            if rows is None:
+                self.reusable.add(buf.data_ptr())
+            module._parameters[pname] = nn.Parameter(buf, requires_grad=False)
+            n += buf.numel() * buf.element_size()
         self.ledger.add(n)
         return n
 
     def free(self, path: str, n: int) -> None:
         for full in self.unit_slots(path):
             module, pname, shape, _ = self.slots[full]
-            module._parameters[pname] = _placeholder(shape, module._parameters[pname].dtype)
+            p = module._parameters[pname]
+            data = p.data
+            module._parameters[pname] = _placeholder(shape, p.dtype)
+            if data.data_ptr() in self.reusable:
+                self.reusable.discard(data.data_ptr())
+                self.pool.give(data)
         self.ledger.sub(n)
-        _return_freed_memory()
+        if not self.pool.bytes:
+            _return_freed_memory()
+
+
+class BufferPool:
+    """Freed weight tensors kept for the next unit of the same shapes (the blocks of a stack all have one
+    block's shapes): refilled in place by pread instead of freshly allocated, so a streamed pass does not
+    page-fault over every weight it reads. Holds at most `budget` bytes (one block in practice)."""
+
+    def __init__(self, budget: int = 0) -> None:
+        self.budget, self.bytes, self.free = budget, 0, {}
+
+    def take(self, shape: tuple, dtype: torch.dtype) -> Tensor | None:
+        got = self.free.get((tuple(shape), dtype))
+        if not got:
+            return None
+        t = got.pop()
+        self.bytes -= t.numel() * t.element_size()
+        return t
+
+    def give(self, t: Tensor) -> None:
+        n = t.numel() * t.element_size()
+        if t.is_contiguous() and self.bytes + n <= self.budget:
+            self.free.setdefault((tuple(t.shape), t.dtype), []).append(t)
+            self.bytes += n
+
+    def clear(self) -> None:
+        self.free, self.bytes = {}, 0
 
 
 def _return_freed_memory() -> None:
@@ -560,6 +646,9 @@ class _Pass:
         def pre(mod, args, kwargs):
             if self._inner:
                 return None
+            rows = None if block else _lookup_rows(mod, args, kwargs)
+            if rows is not None:
+                self.s.lookup_rows[path] = rows
             self._held[path] = self.s.load(path)
             if block:
                 self._block_pre(mod, path, args, kwargs)
@@ -601,6 +690,20 @@ class _Pass:
             finally:
                 self._inner = False
             self.forced_out[path].append((ref, _detach(out)))
+
+
+def _lookup_rows(mod: nn.Module, args, kwargs) -> Tensor | None:
+    """The token ids a plain nn.Embedding unit is about to look up (its forward reads only those rows of its
+    table), else None (the whole unit is loaded)."""
+    if type(mod) is not nn.Embedding or "forward" in vars(mod) or mod.max_norm is not None:
+        return None
+    ids = args[0] if args else kwargs.get("input")
+    if not isinstance(ids, Tensor) or ids.is_floating_point() or ids.numel() == 0:
+        return None
+    rows = ids.reshape(-1).unique()
+    if int(rows.min()) < 0 or int(rows.max()) >= mod.num_embeddings:
+        return None  # out of range: the whole table, and F.embedding raises as it would
+    return rows
 
 
 @contextlib.contextmanager
@@ -705,7 +808,7 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     tol = fp64_tol if fp64_tol is not None else stored_weights_tolerance(c_dtype)
 
     def run(streamer, units, dtype, **kw):
-        streamer.set_dtype(dtype)
+        streamer.set_dtype(dtype, pool_units=units[0])
         with _Pass(streamer, *units, **kw) as p:
             out = run_model(streamer.model, inputs)
         return p, out
