@@ -38,8 +38,9 @@ def _finite_check(dtype: torch.dtype, name: str):
 
 
 PREFETCH = 1  # components read ahead of the one being computed
-
-WRITE_QUEUE_BYTES = 256 * 1024 * 1024  # computed tensors waiting for the writer, at most (then the compute waits)
+# computed tensors waiting for the writer, at most (then the compute waits): 64 MB keeps the writer busy (a
+# block's largest tensor is written in tens of ms) without holding a quarter of a shard of finished tensors
+WRITE_QUEUE_BYTES = 64 * 1024 * 1024
 
 
 
