@@ -108,6 +108,7 @@ class Pass:
         self.forced_out: dict[str, list[tuple]] = {b: [] for b in blocks}  # (reference call, output)
         self.free_in: dict[str, list[Tensor]] = {b: [] for b in blocks}
         self.free_out: dict[str, list[Tensor]] = {b: [] for b in blocks}  # stream outputs (tail pass)
+        self.row_chunked: dict[str, str] = {}  # head -> its matrix's slot, run in row chunks (Streamer.run_rows)
         self._inner = False
         self._handles = []
         self._held: dict[str, int] = {}
@@ -121,7 +122,12 @@ class Pass:
                     full = f"{path}.{pname}" if path else pname
                     self._held[full] = self.s.load(full)
         for path in self.others:
-            self._hook(model.get_submodule(path), path, block=False)
+            module = model.get_submodule(path)
+            slot = self.s.row_chunked(path, module)
+            if slot is not None:  # a large head in a cast pass: run over row chunks of its matrix
+                self.row_chunked[path] = slot
+                module.forward = _rows_forward(self.s, path, slot, type(module).forward.__get__(module))
+            self._hook(module, path, block=False)
         for path in self.blocks:
             block = model.get_submodule(path)
             if self.replace is not None:
@@ -134,7 +140,7 @@ class Pass:
     def __exit__(self, *exc):
         for h in self._handles:
             h.remove()
-        for path in self.blocks:
+        for path in list(self.blocks) + list(self.row_chunked):
             self.s.model.get_submodule(path).__dict__.pop("forward", None)
         for full, n in self._held.items():
             self.s.free(full, n)
@@ -147,6 +153,8 @@ class Pass:
             rows = None if block else _lookup_rows(mod, args, kwargs)
             if rows is not None:
                 self.s.lookup_rows[path] = rows
+            if path in self.row_chunked:
+                self.s.skip[path] = self.row_chunked[path]
             self._held[path] = self.s.load(path)
             if block:
                 self._block_pre(mod, path, args, kwargs)
@@ -189,6 +197,13 @@ class Pass:
                 self._inner = False
             self.forced_out[path].append((ref, _detach(out)))
 
+
+
+def _rows_forward(streamer: Streamer, path: str, slot: str, forward):
+    def rows_forward(*args, **kwargs):
+        return streamer.run_rows(path, slot, forward, args, kwargs)
+
+    return rows_forward
 
 
 def _lookup_rows(mod: nn.Module, args, kwargs) -> Tensor | None:

@@ -115,27 +115,32 @@ class CheckpointReader:
             self._stage = torch.empty(nbytes, dtype=torch.uint8)
         return self._stage[:nbytes]
 
-    def get_as(self, name: str, dtype: torch.dtype, chunk_bytes: int = 1 << 24, out: Tensor | None = None) -> Tensor:
+    def get_as(self, name: str, dtype: torch.dtype, chunk_bytes: int = 1 << 24, out: Tensor | None = None,
+               rows: tuple[int, int] | None = None) -> Tensor:
         """The tensor cast to `dtype`, read (pread) in slices of rows through one reused staging buffer: the
         stored-dtype copy that a whole-tensor read and cast would hold next to the result is never larger
-        than `chunk_bytes`. `out` (contiguous, the stored shape, `dtype`) is filled instead of a new tensor."""
+        than `chunk_bytes`. `out` (contiguous, the stored shape, `dtype`) is filled instead of a new tensor.
+        `rows` (a, b): only rows a..b-1 along the first axis (`out` then has b - a rows)."""
         from .safetensors_io import read_into
 
         entry = self._info(name)
         shape, stored = self.info(name)
-        if out is None:
-            out = torch.empty(shape, dtype=dtype)
         if len(shape) == 0:
+            if out is None:
+                out = torch.empty(shape, dtype=dtype)
             out.copy_(self.get(name))
             return out
         row = max(1, entry.nbytes // max(1, shape[0]))
+        first, last = rows if rows is not None else (0, shape[0])
+        if out is None:
+            out = torch.empty((last - first, *shape[1:]), dtype=dtype)
         step = max(1, chunk_bytes // row)
         with _checkpoint_errors(entry.file):
-            for i in range(0, shape[0], step):
-                k = min(step, shape[0] - i)
+            for i in range(first, last, step):
+                k = min(step, last - i)
                 part = self._staging(k * row).view(stored).view(k, *shape[1:])
                 read_into(entry.file, entry.start + i * row, part)
-                out[i:i + k].copy_(part)
+                out[i - first:i - first + k].copy_(part)
         return out
 
     def get_rows(self, name: str, rows: Tensor, dtype: torch.dtype, out: Tensor) -> None:

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import CheckpointError
+from ..nn import TiedHead
 from .memory import BufferPool, Ledger, return_freed_memory
 from .reader import CheckpointReader
 from .skeleton import checkpoint_keys, placeholder
@@ -36,6 +37,7 @@ class Streamer:
                 self.of_module.setdefault(id(module), []).append(full)
         self.pool = BufferPool()
         self.lookup_rows: dict[str, Tensor] = {}  # unit -> the token ids its next load is for (embeddings)
+        self.skip: dict[str, str] = {}  # unit -> a parameter its next load leaves out (a head run in row chunks)
         self.reusable: set[int] = set()  # data pointers of loaded tensors filled whole (a pooled buffer can be refilled)
         buffers = {n for n, _ in model.named_buffers()}
         self.keymap = checkpoint_keys(model, list(reader.files), set(self.slots) | buffers)
@@ -91,12 +93,14 @@ class Streamer:
         `lookup_rows` is an embedding looked up at those token ids only: just those rows are read (the rest
         of the table is uninitialised memory that nothing reads, so it is never touched: no resident pages)."""
         with self.reader.session():
-            return self._load(path, self.lookup_rows.pop(path, None))
+            return self._load(path, self.lookup_rows.pop(path, None), self.skip.pop(path, None))
 
-    def _load(self, path: str, rows: Tensor | None = None) -> int:
+    def _load(self, path: str, rows: Tensor | None = None, skip: str | None = None) -> int:
         n = 0
         wanted = []
         for full in self.unit_slots(path):
+            if full == skip:
+                continue
             module, pname, shape, names = self.slots[full]
             key = next((self.keymap[x] for x in names if x in self.keymap), None)
             if key is None:
@@ -111,7 +115,7 @@ class Streamer:
         # buffers freed by the previous unit of the same shapes (the next block) are refilled; anything else in
         # the pool is dropped before new memory is taken, so the pool never adds to a larger unit's peak
         bufs = [self.pool.take(shape, dtype) if rows is None else None for _, _, shape, _, dtype in wanted]
-        if any(b is None for b in bufs) and self.pool.bytes:
+        if self.pool.bytes:  # what this unit did not take (the stack ended): handed back
             self.pool.clear()
             return_freed_memory()
         for (full, key, shape, stored_dtype, dtype), buf in zip(wanted, bufs):
@@ -120,16 +124,81 @@ class Streamer:
                 buf = torch.empty(shape, dtype=dtype)
             if rows is not None and len(shape) == 2:
                 self.reader.get_rows(key, rows, dtype, buf)
-            elif dtype != stored_dtype:
+                n += len(rows) * buf[0].numel() * buf.element_size()  # the rest is never touched
+                module._parameters[pname] = nn.Parameter(buf, requires_grad=False)
+                continue
+            if dtype != stored_dtype:
                 self.reader.get_as(key, dtype, out=buf)
             else:
                 self.reader.get(key, out=buf)
-            if rows is None:
-                self.reusable.add(buf.data_ptr())
+            self.reusable.add(buf.data_ptr())
             module._parameters[pname] = nn.Parameter(buf, requires_grad=False)
             n += buf.numel() * buf.element_size()
         self.ledger.add(n)
         return n
+
+    def row_chunked(self, path: str, module: nn.Module) -> str | None:
+        """The weight slot of a head to run in row chunks, or None. A plain nn.Linear or nn.TiedHead whose
+        matrix, cast to this pass's dtype, is larger than the pool's budget (the largest block): a float64
+        pass over a float32 or 16-bit checkpoint would otherwise hold the whole table in float64 (the
+        vocabulary × width embedding of a tied head: 0.64 GB at GPT-2-XL's shapes)."""
+        if type(module) not in (nn.Linear, TiedHead) or "forward" in vars(module):
+            return None
+        owner = module._table if isinstance(module, TiedHead) else module
+        slot = next((f for f in self.unit_slots(path) if self.slots[f][0] is owner and self.slots[f][1] == "weight"),
+                    None)
+        if slot is None or len(self.slots[slot][2]) != 2:
+            return None
+        key = next((self.keymap[x] for x in self.slots[slot][3] if x in self.keymap), None)
+        if key is None:
+            return None  # the load names the missing tensor
+        shape, stored = self.reader.info(key)
+        size = torch.tensor([], dtype=self.dtype).element_size()
+        if stored == self.dtype or not stored.is_floating_point or math.prod(shape) * size <= self.pool.budget:
+            return None
+        return slot
+
+    def run_rows(self, path: str, slot: str, forward, args, kwargs, chunk_bytes: int = 1 << 24) -> Tensor:
+        """The head's forward over chunks of its matrix's rows (its outputs): each chunk read and cast into
+        one reused buffer, the per-output parameters (`bias`, a tied head's `mean`) sliced alike, and the
+        output columns gathered. Each output column is its own dot product, so the values are the whole
+        matrix's up to the summation blocking of the matrix product."""
+        module, pname, shape, names = self.slots[slot]
+        key = next(self.keymap[x] for x in names if x in self.keymap)
+        rows = shape[0]
+        size = torch.tensor([], dtype=self.dtype).element_size()
+        step = max(2, chunk_bytes // max(1, math.prod(shape[1:]) * size))
+        per_row = [f for f in self.unit_slots(path) if f != slot and self.slots[f][1] in ("bias", "mean")
+                   and self.slots[f][2][:1] == (rows,)]
+        saved = {f: self.slots[f][0]._parameters[self.slots[f][1]] for f in per_row}
+        buf = torch.empty((min(step, rows), *shape[1:]), dtype=self.dtype)
+        nbytes = buf.numel() * size
+        self.ledger.add(nbytes)
+        out = None
+        try:
+            for a in range(0, rows, step):
+                b = min(rows, a + step)
+                if b == rows - 1 and b > a + 1:  # no one-row last chunk
+                    b = rows
+                w = self.reader.get_as(key, self.dtype, out=buf[:b - a] if b - a <= buf.shape[0] else None,
+                                       rows=(a, b))
+                module._parameters[pname] = nn.Parameter(w, requires_grad=False)
+                for f in per_row:
+                    m, pn = self.slots[f][:2]
+                    m._parameters[pn] = nn.Parameter(saved[f][a:b], requires_grad=False)
+                y = forward(*args, **kwargs)
+                if out is None:
+                    out = y.new_empty(*y.shape[:-1], rows)
+                out[..., a:b] = y
+                if b == rows:
+                    break
+        finally:
+            for f, p in saved.items():
+                m, pn = self.slots[f][:2]
+                m._parameters[pn] = p
+            module._parameters[pname] = placeholder(shape, self.dtype)
+            self.ledger.sub(nbytes)
+        return out
 
     def free(self, path: str, n: int) -> None:
         for full in self.unit_slots(path):
