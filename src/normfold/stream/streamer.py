@@ -144,8 +144,8 @@ class Streamer:
         vocabulary × width embedding of a tied head: 0.64 GB at GPT-2-XL's shapes)."""
         if type(module) not in (nn.Linear, TiedHead) or "forward" in vars(module):
             return None
-        owner = module._table if isinstance(module, TiedHead) else module
-        slot = next((f for f in self.unit_slots(path) if self.slots[f][0] is owner and self.slots[f][1] == "weight"),
+        weight = module.weight  # a TiedHead's is its table's (a placeholder now): find the slot holding it
+        slot = next((f for f in self.unit_slots(path) if self.slots[f][0]._parameters[self.slots[f][1]] is weight),
                     None)
         if slot is None or len(self.slots[slot][2]) != 2:
             return None
