@@ -274,3 +274,62 @@ def test_cli_chooses_blockwise_above_threshold(tmp_path, capsys, monkeypatch):
     assert "blockwise" in json.loads(capsys.readouterr().out)
     assert main(["verify", str(orig), str(conv), "--json", "-q", "--no-blockwise"]) == 0
     assert "blockwise" not in json.loads(capsys.readouterr().out)
+
+
+def test_reused_buffers_and_embedding_rows_change_nothing(tmp_path, monkeypatch):
+    """Issue 26: a pass refills the previous block's freed buffers (BufferPool) and reads only the looked-up rows
+    of an embedding table; the result is the same dict, value for value, as with neither, and the buffers are
+    really reused."""
+    orig, conv, _ = make(tmp_path, "gpt2", head="GPT2LMHeadModel")
+    reused = []
+    take = blockverify.BufferPool.take
+
+    def counted(self, shape, dtype):
+        t = take(self, shape, dtype)
+        reused.append(t is not None)
+        return t
+
+    monkeypatch.setattr(blockverify.BufferPool, "take", counted)
+    fast = verify_blockwise(orig, conv)
+    assert fast["passed"] and any(reused)
+    monkeypatch.setattr(blockverify.BufferPool, "give", lambda self, t: None)
+    from normfold.stream import passes
+
+    monkeypatch.setattr(passes, "_lookup_rows", lambda mod, args, kwargs: None)
+    plain = verify_blockwise(orig, conv)
+    assert fast == plain
+
+
+@pytest.mark.parametrize("untie", [False, True], ids=["tied-head", "linear-head"])
+def test_large_head_runs_in_row_chunks_in_float64(tmp_path, monkeypatch, untie):
+    """A head whose matrix is larger than a block (the vocabulary × width table) runs over row chunks in the
+    float64 passes of a float32 checkpoint, both the original's nn.Linear and the converted nn.TiedHead (or
+    untied nn.Linear): no float64 copy of the whole table, and the same verdict and errors (to the float64
+    summation blocking) as the whole-table run, against the in-memory verification."""
+    ex = get_adapter("gpt2").examples[0]
+    torch.manual_seed(0)
+    model = realistic(transformers.GPT2LMHeadModel(transformers.GPT2Config(**dict(ex.kwargs, vocab_size=3001))).eval())
+    model.save_pretrained(tmp_path / "orig", max_shard_size="40KB")
+    conv, report = normfold.convert(model, verify=False, untie=untie)
+    normfold.save(conv, report, tmp_path / "conv")
+    from normfold.stream.streamer import Streamer
+
+    calls, run_rows = [], Streamer.run_rows
+
+    def small_chunks(self, path, slot, forward, args, kwargs, chunk_bytes=1 << 24):
+        calls.append((path, self.dtype))
+        return run_rows(self, path, slot, forward, args, kwargs, chunk_bytes=24 * 8 * 200)  # 200 rows
+
+    monkeypatch.setattr(Streamer, "run_rows", small_chunks)
+    chunked = verify_blockwise(tmp_path / "orig", tmp_path / "conv")
+    assert {p for p, _ in calls} == {"lm_head"} and {d for _, d in calls} == {torch.float64}
+    assert len(calls) == 3  # the three float64 passes: original, converted, converted heads only (16 chunks each)
+    monkeypatch.setattr(Streamer, "row_chunked", lambda self, path, module: None)
+    whole = verify_blockwise(tmp_path / "orig", tmp_path / "conv")
+    ref = in_memory(tmp_path / "orig", tmp_path / "conv")
+    assert chunked["passed"] and whole["passed"] and ref["passed"]
+    assert chunked["top1_agreement"] == whole["top1_agreement"] == ref["top1_agreement"]
+    assert chunked["blockwise"]["peak_weight_bytes"] < whole["blockwise"]["peak_weight_bytes"]
+    for a, b in zip(chunked["fp64"]["outputs"], whole["fp64"]["outputs"]):
+        assert a["name"] == b["name"] and abs(a["max_rel"] - b["max_rel"]) <= 1e-13, (a, b)
+    assert chunked["working"] == whole["working"]  # the working-dtype passes hold the stored table: untouched

@@ -144,12 +144,12 @@ def test_two_processes_two_outputs(ckpt, tmp_path):
 def test_disk_full_is_a_user_error(ckpt, tmp_path, capsys, monkeypatch):
     import errno
 
-    from normfold.stream import convert as stream_convert_mod
+    from normfold.stream import writer as stream_writer_mod
 
     def full(fd, size):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(stream_convert_mod, "_preallocate", full)
+    monkeypatch.setattr(stream_writer_mod, "_preallocate", full)
     code = main(["convert", str(ckpt), "--out", str(tmp_path / "out"), "--stream", "always", "-q"])
     assert code == 2
     err = capsys.readouterr().err

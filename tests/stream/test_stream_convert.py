@@ -12,7 +12,7 @@ import normfold
 from normfold.adapters import get_adapter
 from normfold.errors import NonFiniteWeightsError
 from normfold.stream import StreamUnsupportedError, stream_convert
-from normfold.stream import convert as stream_mod
+from normfold.stream import compute as stream_compute
 
 from _compare import header_and_data, make_checkpoint, tensors_bytes, weight_files
 
@@ -57,7 +57,7 @@ def test_streamed_bytes_equal_in_memory(tmp_path, family, head):
 def test_sharded_bf16_tied_head_kept_equals_in_memory(tmp_path, monkeypatch):
     """The default keeps lm_head tied (nn.TiedHead): one normfold_model.safetensors, byte-identical to the
     in-memory conversion, no lm_head.weight copy, and normfold.load computes the in-memory logits."""
-    monkeypatch.setattr(stream_mod, "CHUNK_BYTES", 2048)
+    monkeypatch.setattr(stream_compute, "CHUNK_BYTES", 2048)
     example = get_adapter("gpt2").examples[0]
     src = make_checkpoint(example, "GPT2LMHeadModel", tmp_path / "src", dtype=torch.bfloat16, shard="8KB")
     conv, mem_report = _in_memory(src, tmp_path / "mem")
@@ -77,7 +77,7 @@ def test_sharded_bf16_chunked_loads_stock(tmp_path, monkeypatch):
     the in-memory conversion's, stay bf16, and stock from_pretrained computes the same logits."""
     import transformers
 
-    monkeypatch.setattr(stream_mod, "CHUNK_BYTES", 2048)  # forces the chunked path on wte / wpe
+    monkeypatch.setattr(stream_compute, "CHUNK_BYTES", 2048)  # forces the chunked path on wte / wpe
     example = get_adapter("gpt2").examples[0]
     src = make_checkpoint(example, "GPT2LMHeadModel", tmp_path / "src", dtype=torch.bfloat16, shard="8KB")
     assert len(weight_files(src)) > 2

@@ -77,9 +77,9 @@ def test_pipelined_writes_record_each_files_sha256(tmp_path, monkeypatch, kw):
     file's own, computed here with hashlib over the bytes on disk; tiny queues force the overlap's waits."""
     import hashlib
 
-    from normfold.stream import convert as stream_mod
+    from normfold.stream import writer as stream_writer
 
-    monkeypatch.setattr(stream_mod, "WRITE_QUEUE_BYTES", 1024)
+    monkeypatch.setattr(stream_writer, "WRITE_QUEUE_BYTES", 1024)
     _, report = _both(tmp_path, "gpt2", "GPT2LMHeadModel", **kw)
     files = weight_files(tmp_path / "st")
     assert sorted(report.weight_files) == sorted(f.name for f in files)
@@ -92,8 +92,8 @@ def test_pipelined_writes_record_each_files_sha256(tmp_path, monkeypatch, kw):
 def test_row_chunked_tables_and_tied_heads_equal_in_memory(tmp_path, monkeypatch, kw):
     """Tiny chunks: every last-axis writer (embeddings, Conv1D) is centred, and a kept tied head's row means and
     shift computed, chunk by chunk in float64; the bytes are still the in-memory conversion's."""
-    from normfold.stream import convert as stream_mod
+    from normfold.stream import compute as stream_compute
 
-    monkeypatch.setattr(stream_mod, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(stream_compute, "CHUNK_BYTES", 1024)
     _both(tmp_path, "gpt2", "GPT2LMHeadModel", **kw)
     _assert_same_files(tmp_path / "mem", tmp_path / "st")

@@ -73,7 +73,10 @@ def fold_affine(weight: Tensor, bias: Tensor | None, gamma: Tensor | None, beta:
     if gamma is not None:
         shape = [1, 1]
         shape[in_dim] = -1
-        w64 = w64 * _f64(gamma).reshape(shape)
+        g = _f64(gamma).reshape(shape)
+        # in place on our own float64 copy (one weight-sized float64 temporary, not two); a float64 weight is
+        # its own `w64` and must not change
+        w64 = w64.mul_(g) if w64.data_ptr() != weight.data_ptr() else w64 * g
     return w64.to(weight.dtype), new_b
 
 

@@ -21,645 +21,41 @@ Passes (each reads every weight once, holding one unit at a time):
 
 Same tolerances as `verify.compare_models`; the result dict has its keys plus `fp64.blocks`,
 `fp64.embeddings`, `fp64.heads`, `working.blocks` and `blockwise` (what was held in memory).
+
+The parts: `reader` (tensors from safetensors files), `skeleton` (models without weights, their units and
+checkpoint names), `streamer` (a unit's weights loaded and dropped), `memory` (ledger, buffer pool), `passes`
+(the hooks of one forward, the stream mapping); this module runs the passes and compares.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from ..errors import CheckpointError, NormfoldError
-from ..verify import (CENTERED_OUTPUTS, ULP_FLOOR, WORKING_FACTOR, TensorDiff, center_last, dtype_eps, worst_of,
-                      is_zero_last, describe_inputs, diff_outputs, run_model, stored_weights_tolerance, stream_view,
-                      top1_agreement)
+from ..verify import (CENTERED_OUTPUTS, ULP_FLOOR, WORKING_FACTOR, TensorDiff, dtype_eps, worst_of, describe_inputs,
+                      diff_outputs, run_model, stored_weights_tolerance, top1_agreement)
+from .memory import BufferPool, Ledger
+from .passes import Pass, block_diff, stream_in, to_stream
+from .reader import CheckpointReader
+from .skeleton import build_skeleton, checkpoint_keys, find_units
+from .streamer import Streamer
+
+# the parts, re-exported under their old names here
+__all__ = ["verify_blockwise", "CheckpointReader", "Streamer", "BufferPool", "Ledger", "build_skeleton",
+           "checkpoint_keys", "find_units", "to_stream"]
+
+
 
 FP64 = torch.float64
 
 
-# ---- reading tensors from safetensors, one at a time --------------------------------------------------
-
-class CheckpointReader:
-    """Tensor names → memory-mapped safetensors files of a model directory (single file or index).
-
-    Files are mapped with `safe_open` only while one unit is read (`session`); `get` copies one
-    tensor out, so nothing stays mapped between units."""
-
-    def __init__(self, directory: str | os.PathLike) -> None:
-        from ..checkpoint import ModelDir, read_weight_map
-
-        model_dir = ModelDir(directory)  # every file through the path policy: nothing read from outside
-        model_dir.check_all()
-        self.dir = model_dir.path
-        self.files: dict[str, Path] = {}
-        indexes = [n for n in model_dir.entries() if n.endswith(".safetensors.index.json")]
-        if indexes:
-            for index in indexes:
-                for name, file in read_weight_map(model_dir, index).items():
-                    self.files.setdefault(name, self.dir / file)
-        else:
-            from safetensors import safe_open
-
-            for n in model_dir.entries():
-                if n.endswith(".safetensors") and not n.startswith("."):
-                    f = model_dir.file(n)
-                    with _checkpoint_errors(f), safe_open(str(f), "pt") as h:
-                        for name in h.keys():
-                            self.files.setdefault(name, f)
-        if not self.files:
-            pickles = [p.name for p in self.dir.glob("*.bin")]
-            extra = f" (it has {', '.join(pickles)}: re-save it as safetensors)" if pickles else ""
-            raise CheckpointError(f"{self.dir} has no safetensors weights{extra}; block-wise verification "
-                                  "reads safetensors only")
-        self._handles: dict[Path, object] | None = None
-        self._headers: dict[Path, dict] = {}
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.files
-
-    @contextlib.contextmanager
-    def session(self):
-        """Keep files open (mapped) while one unit is read; unmapped after it, so the pages touched
-        for one unit do not stay resident for the rest of the run."""
-        outer = self._handles is None
-        if outer:
-            self._handles = {}
-        try:
-            yield self
-        finally:
-            if outer:
-                handles, self._handles = self._handles, None
-                for h in handles.values():
-                    with contextlib.suppress(Exception):
-                        h.__exit__(None, None, None)
-
-    def _handle(self, f: Path):
-        from safetensors import safe_open
-
-        if f not in self._handles:
-            with _checkpoint_errors(f):
-                self._handles[f] = safe_open(str(f), "pt").__enter__()
-        return self._handles[f]
-
-    def _info(self, name: str):
-        """The tensor's header entry (file offsets), read once per file with plain reads."""
-        from .safetensors_io import read_header
-
-        f = self.files[name]
-        if f not in self._headers:
-            with _checkpoint_errors(f):
-                self._headers[f] = read_header(f)[0]
-        return self._headers[f][name]
-
-    def get(self, name: str) -> Tensor:
-        """A private copy read with pread: no memory map, so no file pages stay resident beside it."""
-        from .safetensors_io import read_tensor
-
-        with _checkpoint_errors(self.files[name]):
-            return read_tensor(self._info(name))
-
-    def info(self, name: str) -> tuple[tuple, torch.dtype]:
-        """(shape, dtype) of a stored tensor, from the header."""
-        entry = self._info(name)
-        if entry.dtype not in _SAFETENSORS_DTYPES:
-            raise CheckpointError(f"{entry.file}: tensor {name!r} has dtype {entry.dtype}, which normfold does not read")
-        return tuple(entry.shape), _SAFETENSORS_DTYPES[entry.dtype]
-
-    def get_as(self, name: str, dtype: torch.dtype, chunk_bytes: int = 1 << 24) -> Tensor:
-        """The tensor cast to `dtype`, read (pread) in slices of rows: the stored-dtype copy that a
-        whole-tensor read and cast would hold next to the result is never larger than `chunk_bytes`."""
-        from dataclasses import replace
-
-        from .safetensors_io import read_tensor
-
-        entry = self._info(name)
-        shape, stored = self.info(name)
-        if len(shape) == 0 or entry.nbytes <= chunk_bytes:
-            return self.get(name).to(dtype)
-        out = torch.empty(shape, dtype=dtype)
-        row = max(1, entry.nbytes // shape[0])
-        step = max(1, chunk_bytes // row)
-        with _checkpoint_errors(entry.file):
-            for i in range(0, shape[0], step):
-                k = min(step, shape[0] - i)
-                part = replace(entry, shape=(k, *shape[1:]), start=entry.start + i * row,
-                               end=entry.start + (i + k) * row)
-                out[i:i + k] = read_tensor(part)
-        return out
-
-    def dtype(self) -> torch.dtype:
-        """The stored floating dtype (of the first floating tensor, in name order)."""
-        with self.session():
-            return self._dtype()
-
-    def _dtype(self) -> torch.dtype:
-        for name in sorted(self.files):
-            f = self._handle(self.files[name])
-            with _checkpoint_errors(self.files[name]):
-                dt = _SAFETENSORS_DTYPES.get(self._info(name).dtype)
-            if dt is not None and dt.is_floating_point:
-                return dt
-        return torch.float32
-
-    def nbytes(self) -> int:
-        return sum(f.stat().st_size for f in set(self.files.values()))
-
-
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
-
-
-@contextlib.contextmanager
-def _checkpoint_errors(f: Path):
-    try:
-        yield
-    except NormfoldError:
-        raise
-    except Exception as exc:  # safetensors raises its own error types for broken files
-        raise CheckpointError(f"{f} could not be read as safetensors ({type(exc).__name__}: "
-                              f"{str(exc).strip()[:300]}); re-save or re-download it") from exc
-
-
-# ---- models without weights -------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def _parameters_on_meta():
-    """Build modules with parameters on the meta device but real buffers (rotary tables, masks and
-    position ids computed in __init__ are needed and not always in the checkpoint) — accelerate's
-    `init_empty_weights(include_buffers=False)`, without depending on accelerate."""
-    register = nn.Module.register_parameter
-
-    def on_meta(module, name, param):
-        register(module, name, param)
-        if param is not None and param.device.type != "meta":
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
-
-
-def _placeholder(shape, dtype: torch.dtype) -> nn.Parameter:
-    """A weight that holds no memory (one NaN, stride 0): anything that reads a weight outside its
-    unit's hooks computes NaN and fails the check instead of silently using stale values."""
-    fill = float("nan") if dtype.is_floating_point else 0
-    return nn.Parameter(torch.full((), fill, dtype=dtype).expand(tuple(shape)), requires_grad=False)
-
-
-def build_skeleton(directory: Path, structure=None) -> nn.Module:
-    """The model class of `directory`'s config, parameters on meta, normfold's structure replayed."""
-    from ..io import transformers_module, apply_structure, model_class
-
-    transformers = transformers_module()
-    try:
-        config = transformers.AutoConfig.from_pretrained(directory)
-    except (OSError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"{directory}: config.json could not be read: {str(exc).splitlines()[0][:300]}") from exc
-    cls = model_class(config)
-    with _parameters_on_meta():
-        model = cls(config)
-        if structure is not None:
-            apply_structure(model, structure)
-    return model.eval()
-
-
-# ---- loading units just before they run -------------------------------------------------------------------
-
-@dataclass
-class Ledger:
-    """Bytes of weights materialized right now, and the most ever at once (the memory bound)."""
-
-    live: int = 0
-    peak: int = 0
-    loads: int = 0
-
-    def add(self, n: int) -> None:
-        self.live += n
-        self.loads += 1
-        self.peak = max(self.peak, self.live)
-
-    def sub(self, n: int) -> None:
-        self.live -= n
-
-
-class Streamer:
-    """Loads the weights of one unit (a module) before its forward and drops them after it."""
-
-    def __init__(self, model: nn.Module, reader: CheckpointReader, dtype: torch.dtype, ledger: Ledger) -> None:
-        self.model, self.reader, self.dtype, self.ledger = model, reader, dtype, ledger
-        # Tied weights appear once in a checkpoint: every name of a shared parameter is an alias.
-        aliases: dict[int, list[str]] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(p), []).append(name)
-        self.slots: dict[str, tuple[nn.Module, str, tuple, list[str]]] = {}
-        self.of_module: dict[int, list[str]] = {}
-        for mname, module in model.named_modules():
-            for pname, p in list(module._parameters.items()):
-                if p is None:
-                    continue
-                full = f"{mname}.{pname}" if mname else pname
-                names = [full] + [a for a in aliases.get(id(p), []) if a != full]
-                self.slots[full] = (module, pname, tuple(p.shape), names)
-                self.of_module.setdefault(id(module), []).append(full)
-        buffers = {n for n, _ in model.named_buffers()}
-        self.keymap = checkpoint_keys(model, list(reader.files), set(self.slots) | buffers)
-        # Persistent buffers stored in the checkpoint (small: position ids, a head's row means, ...)
-        # are read once and stay; the others keep the values computed when the model was built.
-        for name in buffers:
-            if name in self.keymap:
-                module, _, leaf = name.rpartition(".")
-                owner = model.get_submodule(module)
-                t = reader.get(self.keymap[name])
-                if tuple(t.shape) == tuple(owner._buffers[leaf].shape):
-                    owner._buffers[leaf] = t
-        self.set_dtype(dtype)
-
-    def set_dtype(self, dtype: torch.dtype) -> None:
-        """Every parameter becomes a placeholder of `dtype`; floating buffers are cast to it."""
-        self.dtype = dtype
-        for module, pname, shape, _ in self.slots.values():
-            p = module._parameters[pname]
-            module._parameters[pname] = _placeholder(shape, dtype if p.is_floating_point() else p.dtype)
-        for module in self.model.modules():
-            for bname, b in list(module._buffers.items()):
-                if b is not None and b.is_floating_point():
-                    module._buffers[bname] = b.to(dtype)
-
-    def unit_slots(self, path: str) -> list[str]:
-        """The parameters a unit needs: those of its subtree and of modules it references without
-        registering them (normfold's tied compressed head reads its embedding table that way)."""
-        if path in self.slots:  # a single parameter (held for a whole pass)
-            return [path]
-        seen: set[int] = set()
-        todo = [self.model.get_submodule(path) if path else self.model]
-        while todo:
-            m = todo.pop()
-            if id(m) in seen:
-                continue
-            seen.add(id(m))
-            todo.extend(m.children())
-            todo.extend(v for k, v in vars(m).items() if isinstance(v, nn.Module) and k != "_modules")
-        return [full for mid in seen for full in self.of_module.get(mid, [])]
-
-    def nbytes(self, path: str) -> int:
-        """Bytes the unit's parameters take in the current dtype."""
-        size = torch.tensor([], dtype=self.dtype).element_size()
-        return sum(math.prod(self.slots[f][2]) * size for f in self.unit_slots(path))
-
-    def load(self, path: str) -> int:
-        with self.reader.session():
-            return self._load(path)
-
-    def _load(self, path: str) -> int:
-        n = 0
-        for full in self.unit_slots(path):
-            module, pname, shape, names = self.slots[full]
-            key = next((self.keymap[x] for x in names if x in self.keymap), None)
-            if key is None:
-                raise CheckpointError(f"{self.reader.dir} has no tensor for parameter {full!r}; the weights do "
-                                      "not match the config (and the recorded structure)")
-            stored_shape, stored_dtype = self.reader.info(key)
-            if stored_shape != shape:
-                raise CheckpointError(f"{self.reader.dir}: tensor {key!r} has shape {stored_shape} but the "
-                                      f"model built from config.json expects {shape}")
-            if stored_dtype.is_floating_point and stored_dtype != self.dtype:
-                t = self.reader.get_as(key, self.dtype)
-            else:
-                t = self.reader.get(key)
-            module._parameters[pname] = nn.Parameter(t, requires_grad=False)
-            n += t.numel() * t.element_size()
-        self.ledger.add(n)
-        return n
-
-    def free(self, path: str, n: int) -> None:
-        for full in self.unit_slots(path):
-            module, pname, shape, _ = self.slots[full]
-            module._parameters[pname] = _placeholder(shape, module._parameters[pname].dtype)
-        self.ledger.sub(n)
-        _return_freed_memory()
-
-
-def _return_freed_memory() -> None:
-    """glibc keeps freed weights below its mmap threshold (up to 32 MB each) in its heap, and the
-    heap then grows pass after pass (measured: +0.4 GB per pass on a 774M-parameter GPT-2);
-    malloc_trim hands them back to the system. A no-op where there is no glibc."""
-    global _TRIM
-    if _TRIM is None:
-        try:
-            import ctypes
-
-            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _TRIM = False
-    if _TRIM:
-        _TRIM(0)
-
-
-_TRIM = None
-
-
-def checkpoint_keys(model: nn.Module, keys: list[str], wanted: set[str]) -> dict[str, str]:
-    """Model parameter name → checkpoint key, with transformers' own renamings (legacy names such as
-    ViT's `encoder.layer.0.attention.attention.query` for `layers.0.attention.q_proj`, GPT-NeoX's
-    `embed_out`) and base-model prefix handling: the names `from_pretrained` would load under."""
-    out = {k: k for k in keys}
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, rename_source_key
-    except ImportError:  # transformers 4.x: checkpoint names are the module names (up to the prefix)
-        get_model_conversion_mapping = None
-    prefix = getattr(model, "base_model_prefix", "") or None
-    if get_model_conversion_mapping is None:
-        for k in keys:
-            if prefix and k.startswith(prefix + ".") and k not in wanted:
-                out.setdefault(k[len(prefix) + 1:], k)
-            elif prefix and f"{prefix}.{k}" in wanted:
-                out.setdefault(f"{prefix}.{k}", k)
-        return out
-    transforms = get_model_conversion_mapping(model)
-    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    meta = {k: True for k in wanted}
-    for k in keys:
-        new, pattern = rename_source_key(k, renamings, converters, prefix, meta)
-        if pattern is None and new != k:
-            out.setdefault(new, k)
-        # Keys merged or split by a converter (fused qkv, stacked experts) are not loadable one by one:
-        # their parameter stays unresolved and `load` names it.
-    return out
-
-
-# ---- units: the blocks of each layer stack, and what lies outside them ---------------------------------------
-
-def _is_stack(m: nn.Module) -> bool:
-    kids = list(m.children())
-    return (isinstance(m, nn.ModuleList) and len(kids) >= 1 and len({type(k) for k in kids}) == 1
-            and all(any(True for _ in k.children()) and any(True for _ in k.parameters()) for k in kids))
-
-
-def find_units(model: nn.Module) -> tuple[list[str], list[str], list[str]]:
-    """(blocks, others, resident): blocks are the children of every layer stack (ModuleList of one
-    block type); others are the largest subtrees outside the stacks that own parameters (embeddings,
-    norms, heads); resident are modules owning parameters directly while also containing a stack
-    (loaded for the whole pass; small in practice, e.g. a logit scale). A model without a stack is
-    one unit: verified correctly, but with no memory saving."""
-    blocks, others, resident = [], [], []
-
-    def has_stack(m):
-        return any(_is_stack(x) for x in m.modules())
-
-    def visit(m: nn.Module, path: str) -> None:
-        if _is_stack(m):
-            blocks.extend(f"{path}.{k}" if path else k for k, _ in m.named_children())
-            return
-        if not has_stack(m):
-            if any(True for _ in m.parameters()):
-                others.append(path)
-            return
-        if any(p is not None for p in m._parameters.values()):
-            resident.append(path)
-        for k, child in m.named_children():
-            visit(child, f"{path}.{k}" if path else k)
-
-    visit(model, "")
-    return blocks, others, resident
-
-
-# ---- block outputs and stream mapping -----------------------------------------------------------------------
-
-def _stream_in(args, kwargs) -> Tensor | None:
-    if args and isinstance(args[0], Tensor):
-        return args[0]
-    return kwargs.get("hidden_states")
-
-
-def _with_stream(args, kwargs, x: Tensor):
-    if args and isinstance(args[0], Tensor):
-        return (x,) + tuple(args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": x}
-
-
-def _stream_out(out) -> Tensor | None:
-    if isinstance(out, Tensor):
-        return out
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
-        return out[0]
-    if hasattr(out, "items"):
-        first = next(iter(out.values()), None)
-        return first if isinstance(first, Tensor) else None
-    return None
-
-
-def _replace_stream_out(out, x: Tensor):
-    if isinstance(out, Tensor):
-        return x
-    if isinstance(out, tuple):
-        return (x,) + out[1:]
-    if isinstance(out, list):
-        return [x] + out[1:]
-    if hasattr(out, "keys"):
-        k = next(iter(out.keys()))
-        out[k] = x
-        return out
-    return x
-
-
-def to_stream(h: Tensor, like: Tensor, center: bool) -> Tensor:
-    """The original's stream `h` (float64) as the model whose own stream at that point is `like`
-    carries it, in `like`'s dtype. A converted model computes the original's stream up to a
-    per-token shift (zero for the recentred Pre-RMSNorm stream; the original's own mean where a
-    non-shift-invariant block reads the stream raw, as a Post-LN block 0 does): its centred part is
-    the original's, its per-token mean the converted model's own. A Pre-CRMSNorm stream is the first
-    d−1 coordinates of the centred stream (or those and a zero, padded to d)."""
-    h = h.double()
-    if not center:
-        return h.to(like.dtype)
-    if like.shape[-1] + 1 == h.shape[-1]:
-        return center_last(h)[..., :-1].to(like.dtype)
-    if like.shape == h.shape and h.shape[-1] > 1 and is_zero_last(like) and not is_zero_last(h):
-        c = center_last(h)
-        return torch.cat([c[..., :-1], torch.zeros_like(c[..., -1:])], dim=-1).to(like.dtype)
-    return (center_last(h) + like.double().mean(dim=-1, keepdim=True)).to(like.dtype)
-
-
-def _block_diff(name: str, test, ref) -> TensorDiff:
-    t, r = _stream_out(test), _stream_out(ref)
-    if t is None or r is None:
-        return TensorDiff(name, float("inf"), float("inf"), 0.0)
-    t, r = stream_view(t.double(), r.double())
-    return TensorDiff.of(name, center_last(t), center_last(r))
-
-
-# ---- one streamed pass --------------------------------------------------------------------------------------
-
-@dataclass
-class _Capture:
-    args: tuple
-    kwargs: dict
-    out: object = None
-
-
-class _Pass:
-    """Hooks for one forward of a skeleton: load/free per unit; capture or force per block."""
-
-    def __init__(self, streamer: Streamer, blocks, others, resident, *, capture=False, forced=None,
-                 replace=None, replace_like=None, map_center=False) -> None:
-        self.s = streamer
-        self.blocks, self.others, self.resident = blocks, others, resident
-        self.capture = capture  # record every block call's stream input / output (float64 reference)
-        self.forced = forced  # {block: [_Capture]} of the reference: also run each block on those inputs
-        self.replace = replace  # {block: [_Capture]}: skip blocks, return the reference outputs instead
-        self.replace_like = replace_like  # {block: [stream output of this model's own run]} (its means)
-        self.map_center = map_center
-        self.captured: dict[str, list[_Capture]] = {b: [] for b in blocks}
-        self.forced_out: dict[str, list[tuple]] = {b: [] for b in blocks}  # (reference call, output)
-        self.free_in: dict[str, list[Tensor]] = {b: [] for b in blocks}
-        self.free_out: dict[str, list[Tensor]] = {b: [] for b in blocks}  # stream outputs (tail pass)
-        self._inner = False
-        self._handles = []
-        self._held: dict[str, int] = {}
-
-    def __enter__(self):
-        model = self.s.model
-        for path in self.resident:
-            m = self.s.model.get_submodule(path) if path else model
-            for pname, p in m._parameters.items():
-                if p is not None:
-                    full = f"{path}.{pname}" if path else pname
-                    self._held[full] = self.s.load(full)
-        for path in self.others:
-            self._hook(model.get_submodule(path), path, block=False)
-        for path in self.blocks:
-            block = model.get_submodule(path)
-            if self.replace is not None:
-                calls = iter(self.replace[path])
-                block.forward = _replaced_forward(calls, iter(self.replace_like[path]), self.map_center)
-                continue
-            self._hook(block, path, block=True)
-        return self
-
-    def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
-        for path in self.blocks:
-            self.s.model.get_submodule(path).__dict__.pop("forward", None)
-        for full, n in self._held.items():
-            self.s.free(full, n)
-        self._held.clear()
-
-    def _hook(self, module: nn.Module, path: str, block: bool) -> None:
-        def pre(mod, args, kwargs):
-            if self._inner:
-                return None
-            self._held[path] = self.s.load(path)
-            if block:
-                self._block_pre(mod, path, args, kwargs)
-            return None
-
-        def post(mod, args, kwargs, out):
-            if self._inner:
-                return None
-            if block and self.capture:
-                self.captured[path][-1].out = _detach(out)
-            if block and _stream_out(out) is not None:
-                self.free_out[path].append(_stream_out(out).detach())
-            self.s.free(path, self._held.pop(path))
-            return None
-
-        # Prepended: the block's raw input is captured before normfold's own pre-hooks (Recenter,
-        # compress) transform it, so that the extra call on the reference input goes through them too.
-        self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
-        self._handles.append(module.register_forward_hook(post, with_kwargs=True))
-
-    @torch.no_grad()
-    def _block_pre(self, mod, path, args, kwargs) -> None:
-        x = _stream_in(args, kwargs)
-        if x is not None:
-            self.free_in[path].append(x.detach())
-        if self.capture:
-            self.captured[path].append(_Capture(tuple(args), dict(kwargs)))
-        if self.forced is not None and x is not None:
-            k = len(self.forced_out[path])
-            ref = self.forced[path][k] if k < len(self.forced[path]) else None
-            if ref is None:
-                self.forced_out[path].append((None, None))
-                return
-            a, kw = _with_stream(args, kwargs, to_stream(_stream_in(ref.args, ref.kwargs), x, self.map_center))
-            self._inner = True
-            try:
-                with _only_normfold_hooks(mod):
-                    out = mod(*a, **kw)
-            finally:
-                self._inner = False
-            self.forced_out[path].append((ref, _detach(out)))
-
-
-@contextlib.contextmanager
-def _only_normfold_hooks(mod: nn.Module):
-    """The extra call of a block on the reference's input must run normfold's structure hooks (Recenter,
-    compress) but not other libraries' hooks: transformers records hidden states with forward hooks
-    on the blocks, and would count the extra call as another layer's output."""
-    names = ("_forward_pre_hooks", "_forward_hooks")
-    saved = {n: getattr(mod, n) for n in names}
-    for n in names:
-        kept = type(saved[n])((k, h) for k, h in saved[n].items()
-                              if getattr(h, "__module__", "").startswith("normfold"))
-        setattr(mod, n, kept)
-    try:
-        yield
-    finally:
-        for n, hooks in saved.items():
-            setattr(mod, n, hooks)
-
-
-def _replaced_forward(calls, likes, center: bool):
-    """A block's forward that returns the reference's output for this call, mapped to the stream
-    the block receives (so everything after the blocks runs on the original's hidden states)."""
-    def forward(*args, **kwargs):
-        ref, like = next(calls), next(likes)
-        return _replace_stream_out(_clone_struct(ref.out), to_stream(_stream_out(ref.out), like, center))
-
-    return forward
-
-
-def _clone_struct(out):
-    if isinstance(out, tuple):
-        return tuple(out)
-    if isinstance(out, list):
-        return list(out)
-    if hasattr(out, "keys"):
-        return type(out)(**dict(out.items())) if hasattr(out, "to_tuple") else dict(out)
-    return out
-
-
-def _detach(out):
-    if isinstance(out, Tensor):
-        return out.detach()
-    if isinstance(out, tuple):
-        return tuple(_detach(o) for o in out)
-    if isinstance(out, list):
-        return [_detach(o) for o in out]
-    return out
-
-
-def _block_names(d: dict[str, list]) -> list[tuple[str, int]]:
-    return [(b, k) for b, calls in d.items() for k in range(len(calls))]
-
-
-def _name(block: str, k: int, n: int) -> str:
-    return block if n == 1 else f"{block} (call {k})"
-
-
-# ---- the check ----------------------------------------------------------------------------------------------
 
 def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.PathLike, *, inputs: dict | None = None,
                      seed: int = 0, centered=None, progress: Callable[[str], None] | None = None,
@@ -705,8 +101,8 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     tol = fp64_tol if fp64_tol is not None else stored_weights_tolerance(c_dtype)
 
     def run(streamer, units, dtype, **kw):
-        streamer.set_dtype(dtype)
-        with _Pass(streamer, *units, **kw) as p:
+        streamer.set_dtype(dtype, pool_units=units[0])
+        with Pass(streamer, *units, **kw) as p:
             out = run_model(streamer.model, inputs)
         return p, out
 
@@ -759,6 +155,7 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     }
 
 
+
 def _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered) -> tuple[dict, list[str]]:
     """float64: end to end, per block (on the original's inputs), the stream entering each stack
     (embeddings) and the outputs computed from the original's last hidden states (heads)."""
@@ -767,7 +164,7 @@ def _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered) -
     for b, k in _block_names(p_c64.forced_out):
         r, out = p_c64.forced_out[b][k]
         name = _name(b, k, len(ref[b]))
-        d = _block_diff(name, out, r.out) if r is not None else TensorDiff(name, math.inf, math.inf, 0.0)
+        d = block_diff(name, out, r.out) if r is not None else TensorDiff(name, math.inf, math.inf, 0.0)
         block_rows.append({**asdict(d), "passed": d.max_rel <= tol})
         if d.max_rel > tol:
             failed.append(name)
@@ -776,7 +173,7 @@ def _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered) -
     emb_rows = []
     for b in _stack_heads(blocks):
         if ref[b] and p_c64.free_in[b]:
-            d = _block_diff(f"stream into {b}", p_c64.free_in[b][0], _stream_in(ref[b][0].args, ref[b][0].kwargs))
+            d = block_diff(f"stream into {b}", p_c64.free_in[b][0], stream_in(ref[b][0].args, ref[b][0].kwargs))
             emb_rows.append({**asdict(d), "passed": d.max_rel <= tol})
     head_rows = [{**asdict(d), "passed": d.max_rel <= tol}
                  for d in diff_outputs(out_tail, exact, (), centered) if "hidden_states" not in d.name]
@@ -784,6 +181,7 @@ def _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered) -
     ok = worst["max_rel_error"] <= tol and not failed and all(r["passed"] for r in emb_rows + head_rows)
     return ({**worst, "tolerance": tol, "passed": ok, "outputs": [asdict(d) for d in d64],
              "blocks": block_rows, "embeddings": emb_rows, "heads": head_rows}, failed)
+
 
 
 def _working_blocks(ref, p_ow, p_cw, floor) -> list[dict]:
@@ -795,17 +193,19 @@ def _working_blocks(ref, p_ow, p_cw, floor) -> list[dict]:
         if r is None or k >= len(o_calls) or o_calls[k][0] is None:
             continue
         name = _name(b, k, len(ref[b]))
-        c_rel = _block_diff(name, out, r.out).max_rel
-        o_rel = _block_diff(name, o_calls[k][1], r.out).max_rel
+        c_rel = block_diff(name, out, r.out).max_rel
+        o_rel = block_diff(name, o_calls[k][1], r.out).max_rel
         rows.append({"name": name, "converted_rel_error": c_rel, "original_rel_error": o_rel,
                      "ok": c_rel <= WORKING_FACTOR * o_rel + floor})
     return rows
+
 
 
 def _sizes(streamer: Streamer, units) -> dict:
     streamer.set_dtype(FP64)
     per = [streamer.nbytes(u) for u in units[0] + units[1]]
     return {"largest_unit_bytes_fp64": max(per, default=0), "total_bytes_fp64": streamer.nbytes("")}
+
 
 
 def _stack_heads(blocks: list[str]) -> list[str]:
@@ -819,17 +219,23 @@ def _stack_heads(blocks: list[str]) -> list[str]:
     return out
 
 
+
 def _dt(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _example_inputs(model: nn.Module, seed: int) -> dict:
-    from ..adapters import find_adapter
-    from ..adapters.base import default_inputs
-    from ..errors import UnsupportedModelError
 
-    gen = torch.Generator().manual_seed(seed)
-    try:
-        return find_adapter(model).example_inputs(model, gen)
-    except UnsupportedModelError:
-        return default_inputs(model, gen)
+def _example_inputs(model: nn.Module, seed: int) -> dict:
+    from ..adapters import example_inputs
+
+    return example_inputs(model, torch.Generator().manual_seed(seed), seq=16)
+
+
+
+def _block_names(d: dict[str, list]) -> list[tuple[str, int]]:
+    return [(b, k) for b, calls in d.items() for k in range(len(calls))]
+
+
+
+def _name(block: str, k: int, n: int) -> str:
+    return block if n == 1 else f"{block} (call {k})"

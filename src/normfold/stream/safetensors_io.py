@@ -154,18 +154,27 @@ def read_tensor(info: TensorInfo) -> torch.Tensor:
         raise CheckpointError(f"{info.file}: unsupported dtype {info.dtype}")
     # torch.empty, not bytearray: no zero-fill pass over memory the read overwrites anyway
     raw = torch.empty(info.nbytes, dtype=torch.uint8)
-    view = memoryview(raw.numpy()).cast("B")
-    fd = os.open(info.file, os.O_RDONLY)
+    read_into(info.file, info.start, raw)
+    return raw.view(TORCH_DTYPES[info.dtype]).reshape(info.shape)
+
+
+def read_into(path: Path, start: int, out: torch.Tensor) -> None:
+    """Fill the contiguous CPU tensor `out` with the bytes of `path` from `start` (pread: no memory map), so a
+    caller can reuse one buffer for many reads (no page fault per tensor)."""
+    nbytes = out.numel() * out.element_size()
+    if nbytes == 0:
+        return
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    fd = os.open(path, os.O_RDONLY)
     try:
         done = 0
-        while done < info.nbytes:
-            got = os.preadv(fd, [view[done:]], info.start + done)
+        while done < nbytes:
+            got = os.preadv(fd, [view[done:]], start + done)
             if got <= 0:
-                raise CheckpointError(f"{info.file}: unexpected end of file reading a tensor")
+                raise CheckpointError(f"{path}: unexpected end of file reading a tensor")
             done += got
     finally:
         os.close(fd)
-    return raw.view(TORCH_DTYPES[info.dtype]).reshape(info.shape)
 
 
 def _numel(shape) -> int:

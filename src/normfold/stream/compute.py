@@ -1,0 +1,180 @@
+"""The values of a streamed conversion: one component at a time, its parameters read from the checkpoint into
+real tensors on an otherwise meta model, and the in-memory conversion's own edit functions run on them (the
+same roundings, so the same bytes); big last-axis writers and tied heads in float64 row chunks."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..adapters.base import get, parent_and_leaf
+from ..algebra import layout_of
+from ..compress.convert import compressed_value, tied_head_mean
+from ..convert import center_writer_at, fold_scales, swap_norm, tied_head_shift, will_fold
+from ..errors import NonFiniteWeightsError
+from ..nn import TiedHead
+from ..options import ConvertOptions
+from . import safetensors_io as st
+from .plan import Component, Edit
+from .source import Source
+
+# A writer whose output axis is its last (embeddings, Conv1D) is centred in row chunks of about this many
+# float64 bytes: the same result (rows are independent), float64 temporaries stay small and in cache
+# (~5x faster than whole-tensor passes on a 2-core machine).
+CHUNK_BYTES = 4 * 1024 * 1024
+
+
+
+class Computer:
+    """Runs one component at a time on real tensors read from the checkpoint, the rest of the model on meta."""
+
+    def __init__(self, model: nn.Module, plan, options: ConvertOptions, source: Source, names: dict[str, str],
+                 compression: dict | None = None):
+        self.model, self.plan, self.options, self.source, self.names = model, plan, options, source, names
+        self.ties: dict[str, tuple] = {}  # head -> (original row means, γ or None), from its "tieprep" edit
+        self.compression = compression  # Pre-CRMSNorm: compress's record, applied to each computed tensor
+        # a TiedCompressedHead's `mean` output: the row means of the head's original (tied) table
+        self.head_means = {f"{t['head']}.mean": f"{t['head']}.weight" for t in (compression or {}).get("tied_heads", [])}
+
+    def derived(self, name: str) -> torch.Tensor:
+        """An output computed from source tensors outside any edit (a tied compressed head's row means, in row
+        chunks: rows are independent, so the bytes are tied_head_mean's over the whole table)."""
+        table = self._read(self.head_means[name])
+        flat = table.reshape(-1, table.shape[-1])
+        out = torch.empty(flat.shape[0], dtype=table.dtype)
+        for a, b in row_chunks(flat.shape[0], CHUNK_BYTES // 8 // max(1, flat.shape[1])):
+            out[a:b] = tied_head_mean(flat[a:b])
+        return out.reshape(table.shape[:-1])
+
+    def _read(self, name: str) -> torch.Tensor:
+        src = self.names[name]
+        t = st.read_tensor(self.source.tensors[src])
+        if t.is_floating_point() and not st.all_finite(t):
+            raise NonFiniteWeightsError(f"tensor {src} of {self.source.path} has NaN/inf values; no conversion of it "
+                                        "can be exact. Fix or re-download the checkpoint.")
+        return t
+
+    def read(self, comp: Component) -> dict[str, torch.Tensor]:
+        """The component's parameters read from the checkpoint and checked finite (thread-safe: the reader
+        thread runs this for the next component while the main thread computes this one)."""
+        return {name: self._read(name) for name in comp.params}
+
+    def run(self, comp: Component, keys: list[str], tensors: dict[str, torch.Tensor] | None = None
+            ) -> dict[str, torch.Tensor]:
+        st.trim_if_over()  # the previous component's memory: kept for reuse unless over budget
+        if tensors is None:
+            tensors = self.read(comp)
+        for name in comp.params:
+            parent, leaf = parent_and_leaf(self.model, name)
+            setattr(parent, leaf, nn.Parameter(tensors.pop(name), requires_grad=False))
+        try:
+            for batch in batches(comp.edits):
+                self._apply(batch)
+            out = {k: get(self.model, k).detach() for k in keys}
+            if self.compression is not None:
+                out = {k: compressed_value(k, v, self.compression) for k, v in out.items()}
+            return out
+        finally:
+            for path in comp.modules:  # back to meta: frees the component's memory
+                obj = get(self.model, path)
+                if isinstance(obj, nn.Parameter):
+                    parent, leaf = parent_and_leaf(self.model, path)
+                    setattr(parent, leaf, nn.Parameter(torch.empty_like(obj, device="meta"), requires_grad=False))
+                else:
+                    obj.to("meta")
+
+    def _apply(self, batch: list[Edit]) -> None:
+        kind = batch[0].kind
+        if kind == "scale":
+            fold_scales(self.model, [e.arg for e in batch])
+        elif kind == "center":
+            if not self._center_chunked(batch[0].arg):
+                center_writer_at(self.model, batch[0].arg)
+        elif kind == "tieprep":  # as convert.tie_groups reads them: before any edit
+            t = batch[0].arg
+            table = get(self.model, t.table).weight
+            gamma = get(self.model, t.norm).weight.detach().double().clone() if t.norm else None
+            self.ties[t.head] = (_by_rows(table, lambda rows, a, b: rows.double().mean(dim=-1), torch.float64), gamma)
+        elif kind == "tiedhead":  # as convert.keep_ties builds it
+            t = batch[0].arg
+            table = get(self.model, t.table)
+            means, gamma = self.ties.pop(t.head)
+            flat_means = means.reshape(-1)
+            shift = _by_rows(table.weight, lambda rows, a, b: tied_head_shift(flat_means[a:b], rows), table.weight.dtype)
+            head = get(self.model, t.head)
+            parent, leaf = parent_and_leaf(self.model, t.head)
+            setattr(parent, leaf, TiedHead(table, shift, None if gamma is None else gamma.to(table.weight.dtype),
+                                           head.bias))
+        else:
+            swap_norm(self.model, batch[0].arg, will_fold(batch[0].arg, self.options), self.options)
+
+    def _center_chunked(self, path: str) -> bool:
+        """A writer whose output axis is its last (embedding tables, Conv1D): centred in row chunks, in place,
+        the same values as `center_writer_at` (rows are independent), float64 only over a chunk."""
+        obj = get(self.model, path)
+        if isinstance(obj, nn.Parameter):
+            weight, bias, out_dim = obj, None, -1
+        else:
+            lay = layout_of(obj)
+            if lay is None:
+                return False
+            weight = getattr(obj, lay.weight)
+            bias = getattr(obj, lay.bias, None) if lay.bias else None
+            out_dim = lay.out_dim
+        if weight.dim() < 2 or out_dim not in (-1, weight.dim() - 1):
+            return False
+        flat = weight.data.reshape(-1, weight.shape[-1])
+        with torch.no_grad():
+            for a, b in row_chunks(flat.shape[0], CHUNK_BYTES // 8 // max(1, weight.shape[-1])):
+                flat[a:b] = center_writer_rows(flat[a:b])
+            if bias is not None:
+                bias.copy_(_center_bias(bias))
+        return True
+
+
+
+def _by_rows(t: torch.Tensor, fn, dtype: torch.dtype) -> torch.Tensor:
+    """fn(rows, a, b) -> one value per row, over row chunks of `t` (last axis kept whole): float64 temporaries
+    stay chunk-sized, and the values are those of one call over all rows (each row's reduction is its own)."""
+    flat = t.detach().reshape(-1, t.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=dtype)
+    for a, b in row_chunks(flat.shape[0], CHUNK_BYTES // 8 // max(1, flat.shape[1])):
+        out[a:b] = fn(flat[a:b], a, b)
+    return out.reshape(t.shape[:-1])
+
+
+
+def row_chunks(n: int, rows: int) -> list[tuple[int, int]]:
+    """[a, b) row ranges of about `rows` rows, none of exactly one row unless n == 1: torch reduces a single
+    row (one output) by splitting it across threads, in another summation order than row by row."""
+    rows = max(2, rows)
+    bounds = [(a, min(a + rows, n)) for a in range(0, n, rows)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+        bounds[-2:] = [(bounds[-2][0], n)]
+    return bounds
+
+
+
+def center_writer_rows(rows: torch.Tensor) -> torch.Tensor:
+    from ..algebra import center_writer as cw
+
+    return cw(rows, None, -1)[0]
+
+
+
+def _center_bias(bias: torch.Tensor) -> torch.Tensor:
+    from ..algebra import center
+
+    return center(bias, -1)
+
+
+
+def batches(edits: list[Edit]) -> list[list[Edit]]:
+    """Consecutive scale folds go to one fold_scales call (it sets each multiplier to 1 after all its writers)."""
+    out: list[list[Edit]] = []
+    for e in edits:
+        if e.kind == "scale" and out and out[-1][0].kind == "scale":
+            out[-1].append(e)
+        else:
+            out.append([e])
+    return out

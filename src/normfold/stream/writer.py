@@ -1,0 +1,222 @@
+"""The output of a streamed conversion: every file laid out header first, tensors written at their offsets by a
+writer thread while the next component is read ahead and computed (`write_checkpoint`), untouched tensors
+copied file to file, each file's SHA-256 computed as it is written; then config, index and tokenizer files."""
+
+from __future__ import annotations
+
+import copy
+import errno
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .. import checkpoint, io
+from ..errors import NonFiniteWeightsError, NormfoldError
+from . import safetensors_io as st
+from .compute import Computer
+from .source import INDEX, Source
+
+METADATA = {"format": "pt"}  # as io.save writes it
+
+
+
+def _finite_check(dtype: torch.dtype, name: str):
+    if not dtype.is_floating_point:
+        return None
+
+    def check(view) -> None:
+        if not st.all_finite(torch.frombuffer(view, dtype=dtype)):
+            raise NonFiniteWeightsError(f"tensor {name} has NaN/inf values; no conversion of it can be exact. "
+                                        "Fix or re-download the checkpoint.")
+    return check
+
+
+
+PREFETCH = 1  # components read ahead of the one being computed
+# computed tensors waiting for the writer, at most (then the compute waits): 64 MB keeps the writer busy (a
+# block's largest tensor is written in tens of ms) without holding a quarter of a shard of finished tensors
+WRITE_QUEUE_BYTES = 64 * 1024 * 1024
+
+
+
+class _Writer:
+    """Reading, computing and writing overlapped: a reader thread reads the next component's tensors and a
+    writer thread writes finished ones (in order: each file is written front to back, so its SHA-256 is
+    computed as it goes) while the main thread computes; torch, os.pread/pwrite and hashlib release the GIL.
+    Queued writes hold at most WRITE_QUEUE_BYTES of tensors."""
+
+    def __init__(self) -> None:
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="normfold-read")
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="normfold-write")
+        self.queue, self.queued = deque(), 0
+
+    def submit(self, fn, *args):
+        return self.reader.submit(fn, *args)
+
+    def write(self, fn, *args, nbytes: int = 0) -> None:
+        while self.queue and self.queued + nbytes > WRITE_QUEUE_BYTES:
+            self._pop()
+        self.queue.append((self.writer.submit(fn, *args), nbytes))
+        self.queued += nbytes
+
+    def _pop(self) -> None:
+        future, n = self.queue.popleft()
+        self.queued -= n
+        future.result()  # a write's error (disk full, NaN in a copied tensor) surfaces here
+
+    def drain(self) -> None:
+        while self.queue:
+            self._pop()
+
+    def close(self, ok: bool) -> None:
+        for pool in (self.reader, self.writer):
+            pool.shutdown(wait=True, cancel_futures=not ok)
+
+
+
+class _Progress:
+    """One line per output file: bytes done, rate and time left from the average rate since the start (it
+    does not jump with one slow or fast tensor)."""
+
+    STEP = 0.1  # and a line each time another tenth of the bytes is done
+
+    def __init__(self, total: int, say) -> None:
+        self.total, self.say, self.t0, self.done = max(total, 1), say, time.perf_counter(), 0
+        self.fname, self.next = "", self.STEP
+
+    def _line(self, head: str) -> None:
+        dt = time.perf_counter() - self.t0
+        line = f"{head}: {self.done / 1e9:.2f} of {self.total / 1e9:.2f} GB"
+        if self.done and dt > 0.5:
+            rate = self.done / dt
+            line += f", {rate / 1e9:.2f} GB/s, ~{(self.total - self.done) / rate:.0f} s left"
+        self.say(line)
+
+    def file(self, fname: str, n: int) -> None:
+        self.fname = fname
+        self._line(f"writing {fname} ({n} tensors)")
+
+    def add(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.done / self.total >= self.next and self.done < self.total:
+            self.next = (int(self.done / self.total / self.STEP) + 1) * self.STEP
+            self._line(f"  {self.fname}")
+
+
+
+def write_checkpoint(out: Path, files, outputs, owner, comps, computer: Computer, names, source: Source, say) -> dict:
+    """Write each output file: header first, then every tensor at its offset. Components are computed in the
+    order their first output comes up (their other outputs wait in `pending`: same file, see assign_files),
+    the next one's tensors read ahead by a thread; tensors go to a writer thread."""
+    layouts, order, seen = [], [], set()
+    for fname, tensors in files.items():
+        header, placed = st.layout({o.name: (st.ST_DTYPES[o.dtype], o.shape) for o in tensors}, METADATA)
+        layouts.append((fname, {o.name: o for o in tensors}, header, placed))
+        for name, _, _ in placed:
+            i = owner.get(name)
+            if i is not None and i not in seen:
+                seen.add(i)
+                order.append(i)
+    progress = _Progress(sum(n for *_, placed in layouts for _, _, n in placed), say)
+    weight_map: dict[str, str] = {}
+    digests: dict[str, dict] = {}
+    pending: dict[str, torch.Tensor] = {}
+    reads: dict[int, object] = {}
+    done = {"next": 0}  # position in `order` of the next component to compute
+    total = 0
+    raw_fds: list[int] = []
+    io_ = _Writer()
+    ok = False
+
+    def inputs(i: int) -> dict[str, torch.Tensor]:
+        k = done["next"]
+        for j in order[k:k + 1 + PREFETCH]:
+            if j not in reads:
+                reads[j] = io_.submit(computer.read, comps[j])
+        done["next"] = k + 1
+        return reads.pop(i).result()
+
+    def digest(fname: str, sink, raw_fd: int) -> None:  # queued after the file's last write
+        digests[fname] = {"sha256": sink.hexdigest(), "bytes": os.fstat(raw_fd).st_size}
+
+    try:
+        for fname, by_name, header, placed in layouts:
+            progress.file(fname, len(placed))
+            raw_fd = os.open(out / fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            raw_fds.append(raw_fd)
+            fd = checkpoint.HashingSink(raw_fd, out / fname)  # SHA-256 while writing (tamper evidence)
+            base = len(header)
+            _preallocate(raw_fd, base + sum(n for _, _, n in placed))
+            io_.write(st.write_all, fd, header, 0)
+            for name, offset, nbytes in placed:
+                o = by_name[name]
+                if o.fill is not None:
+                    io_.write(st.write_tensor, fd, torch.full(o.shape, o.fill, dtype=o.dtype), base + offset,
+                              nbytes=nbytes)
+                elif name in computer.head_means:
+                    io_.write(st.write_tensor, fd, computer.derived(name), base + offset, nbytes=nbytes)
+                elif name in owner:
+                    if name not in pending:
+                        i = owner[name]
+                        keys = [k for k, v in owner.items() if v == i]
+                        pending.update(computer.run(comps[i], keys, inputs(i)))
+                    t = pending.pop(name)
+                    if t.dtype != o.dtype or tuple(t.shape) != o.shape:
+                        raise NormfoldError(f"internal: {name} computed as {t.dtype}{list(t.shape)}, "
+                                            f"planned {o.dtype}{list(o.shape)}")
+                    io_.write(st.write_tensor, fd, t, base + offset, nbytes=nbytes)
+                    del t
+                else:
+                    info = source.tensors[names[name]]
+                    io_.write(st.copy_range, info.file, info.start, nbytes, fd, base + offset,
+                              _finite_check(o.dtype, names[name]), nbytes=nbytes)  # bounds how far ahead
+                    # the progress line counts (a copy holds no tensor: 8 MB chunks)
+                weight_map[name] = fname
+                total += nbytes
+                progress.add(nbytes)
+            io_.write(digest, fname, fd, raw_fd)
+        io_.drain()
+        ok = True
+    finally:
+        io_.close(ok)  # waits for running jobs (and drops queued ones on failure) before the files close
+        for raw_fd in raw_fds:
+            os.close(raw_fd)
+    if pending:
+        raise NormfoldError(f"internal: computed tensors never written: {sorted(pending)[:5]}")
+    return {"files": [f for f, *_ in layouts], "weight_map": weight_map, "total_size": total, "digests": digests}
+
+
+
+def _preallocate(fd: int, size: int) -> None:
+    """Reserve the file's blocks at once (ext4 otherwise allocates page by page as writes extend the file):
+    faster, and a full disk fails here, before the work."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)):
+            return  # a filesystem without fallocate: extend as we write
+        raise
+
+
+
+def write_aux(out: Path, model: nn.Module, source_dir: Path, report, written: dict) -> None:
+    """config.json (architectures = this class, as normfold.save writes it), the index of a sharded output,
+    and the tokenizer / generation files copied from the source."""
+    if len(written["files"]) > 1:
+        index = {"metadata": {"total_size": written["total_size"]},
+                 "weight_map": dict(sorted(written["weight_map"].items()))}
+        (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(out)
+    for f in checkpoint.ModelDir(source_dir).auxiliary_files():  # checked: nothing from outside the source
+        shutil.copy2(f, out / f.name)
+    io.apply_umask(out)
