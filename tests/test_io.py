@@ -199,3 +199,68 @@ def test_normfold_weights_load_bit_identical_in_their_dtype(tmp_path, dtype):
     want = conv.state_dict()
     for name, got in loaded.state_dict().items():
         assert got.dtype == want[name].dtype and torch.equal(got, want[name]), name
+
+
+@pytest.mark.parametrize("to", ["rmsnorm", "crmsnorm"])
+@pytest.mark.parametrize("build", ["vit-no-pooler", "vit-mask-token", "bert-no-pooler"])
+def test_models_built_with_non_default_constructor_arguments_reload_exactly(to, build, tmp_path):
+    """config.json does not record constructor choices such as ViTModel(config, add_pooling_layer=False):
+    only which tensors exist says so. normfold.load rebuilds the model the checkpoint's tensors describe
+    (no pooler with random weights, no refusal of the Pre-CRMS checkpoint for 'missing' pooler tensors),
+    and its outputs are the converted model's, bit for bit."""
+    torch.manual_seed(0)
+    if build.startswith("vit"):
+        cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, image_size=16, patch_size=8)
+        kw = {"add_pooling_layer": False} if build == "vit-no-pooler" else {"use_mask_token": True}
+        model = transformers.ViTModel(cfg, **kw).eval()
+        inputs = {"pixel_values": torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))}
+    else:
+        cfg = transformers.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=64, max_position_embeddings=16)
+        kw = {"add_pooling_layer": False}
+        model = transformers.BertModel(cfg, **kw).eval()
+        inputs = {"input_ids": IDS}
+    conv, report = normfold.convert(model, to=to)
+    assert report.verification["passed"]
+    loaded = normfold.load(normfold.save(conv, report, tmp_path / "out"))
+    assert set(loaded.state_dict()) == set(conv.state_dict())
+    if "add_pooling_layer" in kw:
+        assert loaded.pooler is None
+    with torch.no_grad():
+        got, want = loaded(**inputs), conv(**inputs)
+    assert set(k for k, v in got.items() if v is not None) == set(k for k, v in want.items() if v is not None)
+    for k, v in want.items():
+        if v is not None:
+            assert torch.equal(got[k], v), k
+
+
+def test_stock_checkpoint_missing_a_tensor_is_refused(tmp_path):
+    """A stock-layout checkpoint without a tensor its model needs (and no constructor keyword that explains
+    its absence) is refused before loading: from_pretrained would fill the gap with random values."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                 image_size=16, patch_size=8)
+    conv, report = normfold.convert(transformers.ViTModel(cfg).eval(), to="rmsnorm", verify=False)
+    out = normfold.save(conv, report, tmp_path / "out")
+    state = load_file(str(out / io.STOCK_WEIGHTS))
+    del state["pooler.dense.bias"]  # half the pooler: neither add_pooling_layer=True nor False
+    save_file(state, str(out / io.STOCK_WEIGHTS), metadata={"format": "pt"})
+    rep = json.loads((out / io.REPORT_FILE).read_text())
+    rep["weight_files"] = {}
+    (out / io.REPORT_FILE).write_text(json.dumps(rep))
+    with pytest.raises(normfold.NormfoldError, match="pooler.dense.bias"):
+        normfold.load(out)
+
+
+def test_source_checkpoint_without_pooler_loads_without_one(tmp_path):
+    """`normfold convert DIR` reads a source saved from ViTModel(config, add_pooling_layer=False) as that
+    model, not one with a randomly initialized pooler."""
+    torch.manual_seed(0)
+    cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                 image_size=16, patch_size=8)
+    transformers.ViTModel(cfg, add_pooling_layer=False).save_pretrained(tmp_path / "src")
+    model, _ = io.load_source(tmp_path / "src")
+    assert model.pooler is None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 
 import copy
+import inspect
 import json
 import os
 import re
@@ -113,9 +114,12 @@ def load_source(source: str | os.PathLike | None, dtype: str | torch.dtype | Non
     try:
         config = transformers.AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code)
         cls = model_class(config)
+        kwargs = {}
         if info is not None:
-            guard.check_shapes(info, _on_meta(cls, config))
-        model = cls.from_pretrained(where, dtype=torch_dtype or "auto", trust_remote_code=trust_remote_code)
+            kwargs = init_kwargs(cls, config, set(info.tensors))
+            guard.check_shapes(info, _on_meta(cls, config, kwargs))
+        model = cls.from_pretrained(where, dtype=torch_dtype or "auto", trust_remote_code=trust_remote_code,
+                                    **kwargs)
     except NormfoldError:
         raise
     except RuntimeError as exc:  # transformers' own size-mismatch report, if check_shapes missed a renamed key
@@ -134,13 +138,51 @@ def load_source(source: str | os.PathLike | None, dtype: str | torch.dtype | Non
     return model, info
 
 
-def _on_meta(cls, config) -> nn.Module | None:
+def _on_meta(cls, config, kwargs: dict | None = None) -> nn.Module | None:
     """The model the config builds, on the meta device (no memory); None if it cannot be built there."""
     try:
         with torch.device("meta"):
-            return cls(config)
+            return cls(config, **(kwargs or {}))
     except Exception:  # exotic constructors: transformers' own size check still applies
         return None
+
+
+def init_kwargs(cls, config, names: set[str]) -> dict:
+    """The keyword arguments of `cls(config, **kwargs)` that a checkpoint holding the tensors `names` was
+    built with, where they differ from the defaults.
+
+    transformers records some constructor choices nowhere but in which tensors exist: config.json does
+    not say that a model is `ViTModel(config, add_pooling_layer=False)` (no pooler) or
+    `ViTModel(config, use_mask_token=True)` (a mask token), and `from_pretrained` would give the first a
+    pooler with random weights. For each boolean keyword of the class's constructor, the model is built
+    on the meta device with the other value, which adds or removes some tensors; the keyword takes the
+    other value when every tensor only that build has is in the checkpoint and every tensor only the
+    default build has is absent. A checkpoint matching neither build keeps the default (the weights
+    then fail the checks against the model, which name the tensors). Constructors that cannot be
+    inspected or built on the meta device keep their defaults."""
+    try:
+        params = list(inspect.signature(cls.__init__).parameters.values())[2:]  # after self, config
+    except (TypeError, ValueError):
+        return {}
+    flags = [p.name for p in params if isinstance(p.default, bool)
+             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not flags:
+        return {}
+    base = _on_meta(cls, config)
+    if base is None:
+        return {}
+    default = set(base.state_dict())
+    out = {}
+    for name in flags:
+        value = not next(p.default for p in params if p.name == name)
+        other = _on_meta(cls, config, {name: value})
+        if other is None:
+            continue
+        keys = set(other.state_dict())
+        only_default, only_other = default - keys, keys - default
+        if (only_default or only_other) and only_other <= names and not (only_default & names):
+            out[name] = value
+    return out
 
 
 def _parse_dtype(dtype) -> torch.dtype | None:
@@ -337,11 +379,12 @@ def _read_config(path: Path):
 
 
 def check_report_fits(path: Path, report: ConversionReport, cls, config, tensors: dict[str, tuple[str, tuple]],
-                      stock: bool) -> None:
+                      stock: bool, kwargs: dict | None = None) -> None:
     """Before any memory is allocated: the report's structure, replayed on the model config.json builds on
-    the meta device, must name that model's modules, and its dtype and shapes must be those of the weights
-    (`tensors`: {name: (safetensors dtype, shape)} from the headers). ReportSchemaError otherwise."""
-    meta = _on_meta(cls, config)
+    the meta device (`cls(config, **kwargs)`), must name that model's modules, and its dtype and shapes
+    must be those of the weights (`tensors`: {name: (safetensors dtype, shape)} from the headers), every
+    tensor the model needs present (tied ones aside). ReportSchemaError otherwise."""
+    meta = _on_meta(cls, config, kwargs)
     if meta is None:
         raise CheckpointError(f"{path}: the model config.json describes cannot be built ({cls.__name__})")
     if report.architecture and report.architecture != cls.__name__:
@@ -357,6 +400,12 @@ def check_report_fits(path: Path, report: ConversionReport, cls, config, tensors
         guard.check_shapes(guard.CheckpointInfo(path, "safetensors", [], {
             k: guard.TensorEntry(k, d, tuple(sh), "") for k, (d, sh) in tensors.items()}), meta)
         validate_structure(meta, report.structure)
+        tied = set(getattr(meta, "all_tied_weights_keys", {}) or {})
+        missing = [k for k in meta.state_dict() if k not in tensors and k not in tied]
+        if missing:  # from_pretrained would fill them with random values
+            raise ReportSchemaError(f"{REPORT_FILE}: the weights in {path} lack tensors the {cls.__name__} that "
+                                    f"config.json builds needs: {missing[:3]}; the report, config and weights do "
+                                    "not belong together")
         return
     with torch.device("meta"):
         apply_structure(meta, report.structure)
@@ -380,7 +429,14 @@ _ST_FLOATS = set(_ST_FLOATS_BY_NAME.values())
 
 def inspect_converted(path: str | os.PathLike):
     """Everything `load` checks before it builds anything: (report, config, model class, stock layout?).
-    Also used by block-wise verification, which builds the model without weights."""
+    Also used by block-wise verification, which builds the model without weights. The constructor
+    keywords the weights imply (`init_kwargs`) are `inspect_converted_kwargs`'s fifth value."""
+    return inspect_converted_kwargs(path)[:4]
+
+
+def inspect_converted_kwargs(path: str | os.PathLike):
+    """`inspect_converted` plus the keyword arguments the model class must be built with (`init_kwargs`):
+    (report, config, model class, stock layout?, kwargs)."""
     path = Path(path)
     if not path.is_dir():
         raise ModelNotFoundError(f"{path}: no such directory")
@@ -399,11 +455,12 @@ def inspect_converted(path: str | os.PathLike):
                    for e in guard.read_safetensors_header(f)}
     else:
         raise CheckpointError(f"{path} has neither {STOCK_WEIGHTS} nor {NORMFOLD_WEIGHTS}")
+    kwargs = init_kwargs(cls, config, set(tensors))
     try:
-        check_report_fits(path, report, cls, config, tensors, stock)
+        check_report_fits(path, report, cls, config, tensors, stock, kwargs)
     except ReportSchemaError as exc:
         raise _located(exc, path / REPORT_FILE) from None
-    return report, config, cls, stock
+    return report, config, cls, stock, kwargs
 
 
 def normfold_weight_files(directory: ModelDir) -> list[Path]:
@@ -427,13 +484,13 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, *, fas
     checkpoint's tensors are the same either way."""
     path = Path(path)
     torch_dtype = _parse_dtype(dtype)
-    report, config, cls, stock = inspect_converted(path)
+    report, config, cls, stock, kwargs = inspect_converted_kwargs(path)
     directory = ModelDir(path)
     if stock:
         if report.structure.tied_heads:  # their row means are never in a stock file: it was not written by normfold
             raise CheckpointError(f"{path}: normfold.json records tied heads (nn.TiedHead) but the weights are in the "
                                   f"stock {STOCK_WEIGHTS}, which cannot hold them; the checkpoint was altered")
-        model = cls.from_pretrained(path, dtype=torch_dtype or "auto")
+        model = cls.from_pretrained(path, dtype=torch_dtype or "auto", **kwargs)
         apply_structure(model, report.structure)
     else:
         from safetensors.torch import load_file
@@ -444,7 +501,7 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, *, fas
         # build in the stored dtype: load_state_dict copies into the existing parameters, so a float32
         # skeleton would round float64 weights before any later .to(float64)
         with _default_dtype(_stored_dtype(state)):
-            model = cls(config)
+            model = cls(config, **kwargs)
             apply_structure(model, report.structure)
         missing, unexpected = model.load_state_dict(state, strict=False)
         tied = set(getattr(model, "all_tied_weights_keys", {}) or {})

@@ -12,6 +12,7 @@ from .. import ops
 from ..ops import cpu as _cpu
 from ..ops.registry import LN_ROUTE_MAX_NUMEL  # noqa: F401  (normfold.nn.norms.LN_ROUTE_MAX_NUMEL)
 from ..ops.registry import cpu_fast_path as _cpu_fast_path
+from ..ops.registry import jit_tracing as _jit_tracing
 
 _LN_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
 
@@ -82,7 +83,8 @@ class RMSNorm(_AffineNorm):
         if residual is not None:
             return self._add_forward(x, residual)
         w, b = self._affine()
-        if _cpu_fast_path[0] and x.is_cpu and _no_grad_needed(x, w, b) and not torch.compiler.is_compiling():
+        if _cpu_fast_path[0] and x.is_cpu and _no_grad_needed(x, w, b) and not torch.compiler.is_compiling() \
+                and not _jit_tracing():
             if self.zero_mean_input and x.dtype in _LN_DTYPES and (
                     x.numel() <= LN_ROUTE_MAX_NUMEL or _cpu.library() is None):
                 return torch.layer_norm(x, self.normalized_shape, w, b, self.eps)
@@ -133,7 +135,8 @@ class CRMSNorm(_AffineNorm):
             w, b = self._affine()
             return ops.add_crms_norm(x, residual, w, b, self.eps)
         w, b = self._affine()
-        if _cpu_fast_path[0] and x.is_cpu and _no_grad_needed(x, w, b) and not torch.compiler.is_compiling():
+        if _cpu_fast_path[0] and x.is_cpu and _no_grad_needed(x, w, b) and not torch.compiler.is_compiling() \
+                and not _jit_tracing():
             y = _cpu.fast_forward(x, w, b, self.eps, True)
             if y is not None:
                 return y

@@ -14,7 +14,10 @@ registered backend (see `normfold.ops.registry`) that supports the input:
 - anything else (float64, devices without a backend): the reference formula;
 - while exporting (`torch.export`, `torch.onnx.export(dynamo=True)`): standard ATen ops
   (`normfold.ops.portable`: `aten.rms_norm`, hence ONNX `RMSNormalization` at opset ≥ 23), so the
-  exported program runs without normfold.
+  exported program runs without normfold;
+- while `torch.jit.trace` records (and the TorchScript-based `torch.onnx.export`, which traces): the
+  same ATen ops, since the tracer cannot see a kernel that writes through a raw pointer
+  (`registry.jit_tracing`).
 
 NORMFOLD_BACKEND=reference forces the reference path everywhere (for debugging and A/B tests);
 NORMFOLD_CPU_KERNEL=0 disables the C kernels. Both are read once (at import / first use): call
@@ -30,7 +33,7 @@ from ..errors import NormInputError
 from . import cpu, cpu_library, portable, reference, registry, triton_kernels
 from .reference import layer_norm
 from .autograd import add_norm_with, norm_with
-from .registry import REFERENCE, Backend, backends, register_backend, select, unregister_backend
+from .registry import REFERENCE, Backend, backends, jit_tracing, register_backend, select, unregister_backend
 
 __all__ = ["info", "layer_norm", "rms_norm", "crms_norm", "add_rms_norm", "add_crms_norm", "row_scale", "backend_for",
            "prepare", "decompositions", "portable",
@@ -109,7 +112,10 @@ def decompositions() -> dict:
 
 def backend_for(x: Tensor) -> str:
     """Name of the implementation `rms_norm(x, ...)` would use: a backend name or 'reference'."""
-    b = _select(x, _compiling())
+    compiling = _compiling()
+    if not compiling and jit_tracing():
+        return REFERENCE
+    b = _select(x, compiling)
     return REFERENCE if b is None else b.name
 
 
@@ -124,7 +130,7 @@ def _check_params(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> None
 def _norm(x: Tensor, weight, bias, eps: float, compressed: bool) -> Tensor:
     _check_params(x, weight, bias)
     compiling = _compiling()
-    if compiling and _exporting():
+    if (_exporting() if compiling else jit_tracing()):  # (dynamo cannot trace jit_tracing)
         return portable.norm(x, weight, bias, eps, compressed)
     b = _select(x, compiling)
     if b is None:
@@ -137,7 +143,7 @@ def _norm(x: Tensor, weight, bias, eps: float, compressed: bool) -> Tensor:
 def _add_norm(x: Tensor, residual: Tensor, weight, bias, eps: float, compressed: bool) -> tuple[Tensor, Tensor]:
     _check_params(x, weight, bias)
     compiling = _compiling()
-    if compiling and _exporting():
+    if (_exporting() if compiling else jit_tracing()):  # (dynamo cannot trace jit_tracing)
         return portable.add_norm(x, residual, weight, bias, eps, compressed)
     b = _select(x, compiling)
     # The fused kernels take equal shapes and dtypes; anything else (broadcasting, promotion) is
@@ -187,7 +193,7 @@ def row_scale(x: Tensor, residual: Tensor | None = None, eps: float = 1e-5,
     grad = torch.is_grad_enabled() and (x.requires_grad or (residual is not None and residual.requires_grad))
     same = residual is None or (residual.shape == x.shape and residual.dtype == x.dtype)
     if not grad and same and x.is_cpu and x.dtype in cpu.DTYPE_CODES and x.numel() and not _compiling() \
-            and cpu.library() is not None:
+            and not jit_tracing() and cpu.library() is not None:
         return cpu.row_scale(x, residual, eps, compressed)
     s = None if residual is None else x + residual
     src = (x if s is None else s).to(reference._acc_dtype(x.dtype))

@@ -34,6 +34,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 REFERENCE = "reference"
@@ -61,6 +62,14 @@ cpu_fast_path = [True]
 # RMSNorm.forward): below it aten's fused LayerNorm call costs less than the C kernel's ctypes call
 # (measured on a 2-core AVX2 EPYC: (1, 768) to (16, 768) and (1, 4096) route, (16, 4096) kernel).
 LN_ROUTE_MAX_NUMEL = 16384
+
+# True while `torch.jit.trace` records a graph (`torch.jit.is_tracing()` without its is_scripting check:
+# 40 ns a call). The tracer sees torch ops only: a kernel that writes its result through a raw pointer
+# (the C kernel's ctypes / pycall call, a Triton launch) is recorded as the empty output buffer alone, so
+# the graph would return uninitialized memory. While tracing, the dispatcher and the nn modules compute
+# with the ATen formulas of `normfold.ops.portable` instead (tests/export/test_jit_trace.py). Ask it only
+# when not compiling: dynamo cannot trace it (a torch.* call returning a bool).
+jit_tracing = torch._C._is_tracing
 
 def _refresh() -> None:
     cpu_fast_path[0] = _forced in (None, "cpu-kernel") and all(builtin_impls.get(b.name) is b.impl
