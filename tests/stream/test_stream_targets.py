@@ -97,3 +97,31 @@ def test_row_chunked_tables_and_tied_heads_equal_in_memory(tmp_path, monkeypatch
     monkeypatch.setattr(stream_compute, "CHUNK_BYTES", 1024)
     _both(tmp_path, "gpt2", "GPT2LMHeadModel", **kw)
     _assert_same_files(tmp_path / "mem", tmp_path / "st")
+
+
+@pytest.mark.parametrize("to", ["rmsnorm", "crmsnorm"])
+def test_streamed_model_without_its_pooler(tmp_path, to):
+    """transformers records `ViTModel(config, add_pooling_layer=False)` only in which tensors exist: the
+    streamed conversion and the block-wise verifier build the model the weights imply (io.init_kwargs),
+    give the in-memory bytes, and verify."""
+    import transformers
+
+    from normfold.stream.blockverify import verify_blockwise
+
+    torch.manual_seed(0)
+    cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                 image_size=32, patch_size=8)
+    model = transformers.ViTModel(cfg, add_pooling_layer=False).eval()
+    model.save_pretrained(tmp_path / "src")
+    conv, mem_report = normfold.convert(model, to=to, verify=False)
+    normfold.save(conv, mem_report, tmp_path / "mem", source_dir=tmp_path / "src")
+    (tmp_path / "st").mkdir()
+    stream_convert(tmp_path / "src", tmp_path / "st", to=to)
+    _assert_same_files(tmp_path / "mem", tmp_path / "st")
+    result = verify_blockwise(tmp_path / "src", tmp_path / "st")
+    assert result["passed"], result
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        got = normfold.load(tmp_path / "st")(pixel_values=x).last_hidden_state
+        want = model(pixel_values=x).last_hidden_state
+    assert float((got - want).abs().max() / want.abs().max()) <= 1e-5

@@ -84,8 +84,8 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     say = progress or (lambda _msg: None)
 
     o_read, c_read = CheckpointReader(original_dir), CheckpointReader(converted_dir)
-    orig = build_skeleton(original_dir)
-    conv = build_skeleton(converted_dir, report.structure if report is not None else None)
+    orig = build_skeleton(original_dir, names=set(o_read.files))
+    conv = build_skeleton(converted_dir, report.structure if report is not None else None, names=set(c_read.files))
     if type(orig).__name__ != type(conv).__name__:
         raise NormfoldError(f"ORIGINAL is a {type(orig).__name__} but CONVERTED is a {type(conv).__name__}")
     o_dtype, c_dtype = o_read.dtype(), c_read.dtype()

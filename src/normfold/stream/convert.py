@@ -108,7 +108,7 @@ def prepare(source_dir: str | os.PathLike, *, to: str | None = None, options: Co
     checkpoint.ModelDir(source_dir).check_all()  # config, weights, tokenizer files: nothing from outside
     source = open_source(source_dir)
     dtype = checkpoint_dtype(source)
-    original = meta_model(source.path, dtype)
+    original = meta_model(source.path, dtype, set(source.tensors))
     names = source_names(original, source)
     adapter = find_adapter(original)
     if adapter.check is not None:

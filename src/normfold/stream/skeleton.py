@@ -42,9 +42,11 @@ def placeholder(shape, dtype: torch.dtype) -> nn.Parameter:
 
 
 
-def build_skeleton(directory: Path, structure=None) -> nn.Module:
-    """The model class of `directory`'s config, parameters on meta, normfold's structure replayed."""
-    from ..io import transformers_module, apply_structure, model_class
+def build_skeleton(directory: Path, structure=None, names: set[str] | None = None) -> nn.Module:
+    """The model class of `directory`'s config, parameters on meta, normfold's structure replayed.
+    `names` (the checkpoint's tensor names) picks the constructor keywords the weights imply
+    (`io.init_kwargs`: a ViTModel without its pooler, ...)."""
+    from ..io import init_kwargs, transformers_module, apply_structure, model_class
 
     transformers = transformers_module()
     try:
@@ -52,8 +54,9 @@ def build_skeleton(directory: Path, structure=None) -> nn.Module:
     except (OSError, ValueError, KeyError) as exc:
         raise CheckpointError(f"{directory}: config.json could not be read: {str(exc).splitlines()[0][:300]}") from exc
     cls = model_class(config)
+    kwargs = init_kwargs(cls, config, names) if names else {}
     with _parameters_on_meta():
-        model = cls(config)
+        model = cls(config, **kwargs)
         if structure is not None:
             apply_structure(model, structure)
     return model.eval()

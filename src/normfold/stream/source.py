@@ -67,14 +67,16 @@ def checkpoint_dtype(source: Source) -> torch.dtype:
 
 
 
-def meta_model(source_dir: Path, dtype: torch.dtype) -> nn.Module:
+def meta_model(source_dir: Path, dtype: torch.dtype, names: set[str] | None = None) -> nn.Module:
     """The model class named by the config, built on the meta device (no memory, no init), tied as
-    from_pretrained ties it, in eval mode."""
+    from_pretrained ties it, in eval mode; with the constructor keywords the tensor `names` imply
+    (`io.init_kwargs`)."""
     transformers = io.transformers_module()
     config = transformers.AutoConfig.from_pretrained(source_dir)  # never trust_remote_code
     cls = io.model_class(config)
+    kwargs = io.init_kwargs(cls, config, names) if names else {}
     with torch.device("meta"):
-        model = cls(config)
+        model = cls(config, **kwargs)
     model = model.to(dtype)
     model.config.dtype = dtype  # as from_pretrained(dtype="auto") records it
     if hasattr(model, "tie_weights"):
