@@ -163,8 +163,8 @@ def diff_outputs(test: dict[str, Tensor], ref: dict[str, Tensor], skip=(), cente
 def explain_failures(rows: list[dict], test: dict[str, Tensor], ref: dict[str, Tensor], dtype: torch.dtype) -> None:
     """Add a `why` to each failing working-dtype row of a residual-stream output whose error sits on its
     last coordinate while the other coordinates pass the same rule. In a Pre-CRMSNorm model that
-    coordinate is rebuilt as −Σ of the other d−1 (the final norm's decompressed output, a GPT-2-style
-    embedding sum): it holds the sum of their rounding errors, ≈ √(d−1) × one coordinate's. That is a
+    coordinate is rebuilt as −Σ of the other d−1 (a final norm's decompressed d-wide output, which
+    is a model output and stays judged in full): it holds the sum of their rounding errors, ≈ √(d−1) × one coordinate's. That is a
     property of the d−1 stream in a rounding dtype, not of the conversion; the row still fails."""
     for row in rows:
         if row["ok"] or not row["name"].endswith(" (centred)"):
