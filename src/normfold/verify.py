@@ -184,7 +184,8 @@ def explain_failures(rows: list[dict], test: dict[str, Tensor], ref: dict[str, T
         b = row["original_rel_error"]
         if rest <= WORKING_FACTOR * b + ULP_FLOOR * dtype_eps(dtype) < last:
             ratio = f", {rest / b:.1f}x the original's" if b > 0 else ""
-            row["why"] = (f"the error sits on the last coordinate ({last:.2e}; the other {t.shape[-1] - 1} "
+            worse = f", {last / b:.1f}x the original's error" if b > 0 else ""
+            row["why"] = (f"the error sits on the last coordinate ({last:.2e}{worse}; the other {t.shape[-1] - 1} "
                           f"coordinates {rest:.2e}{ratio}, within the rule): a Pre-CRMSNorm model rebuilds that "
                           f"coordinate as minus the sum of the other d-1 in {str(dtype).replace('torch.', '')}, "
                           f"so it carries the sum of their rounding errors (about sqrt(d-1) times one "
