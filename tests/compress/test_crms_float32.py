@@ -102,3 +102,23 @@ def test_failure_on_a_rebuilt_coordinate_is_explained():
                                "logits": test}, {"hidden_states[3]": ref, "logits": ref},
                      torch.float32)
     assert "why" not in rows[0]
+
+
+def test_cli_prints_why_a_rebuilt_coordinate_fails(tmp_path, capsys, monkeypatch):
+    """At d = 512 and 2 layers the final hidden state's rebuilt coordinate stays inside the 64-ulp floor;
+    without the floor it fails, and the command says why (exit 1, report row `why`)."""
+    import json
+
+    import normfold.verify as verify
+    from normfold.cli import main
+
+    _model().save_pretrained(tmp_path / "src")
+    monkeypatch.setattr(verify, "ULP_FLOOR", 0.0)
+    rc = main(["convert", str(tmp_path / "src"), "--to", "crmsnorm", "--out", str(tmp_path / "out"),
+               "--stream", "never", "--save-failed"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    rows = json.loads((tmp_path / "out" / "normfold.json").read_text())["verification"]["working"]["outputs"]
+    failed = [r for r in rows if not r["ok"]]
+    assert failed and all("last coordinate" in r["why"] for r in failed)
+    assert f"why {failed[0]['name']} fails: the error sits on the last coordinate" in out
