@@ -12,7 +12,8 @@ Two checks:
 
 Relative error of a tensor = max|a − b| / max|b| (normwise; no division by near-zero entries).
 Hidden states of a residual stream are compared after removing their per-token mean: a converted
-Pre-LN model carries the recentred stream, and only normalized copies of it are ever read.
+Pre-LN model carries the recentred stream, and only normalized copies of it are ever read. A
+Pre-CRMSNorm stream is compared on the d−1 coordinates it carries (`stream_diff`).
 """
 
 from __future__ import annotations
@@ -122,6 +123,25 @@ def stream_view(t: Tensor, r: Tensor) -> tuple[Tensor, Tensor]:
     return t, r
 
 
+def stream_diff(name: str, test: Tensor, ref: Tensor) -> TensorDiff:
+    """A residual-stream output compared centred (see the module docstring). Where one side is a
+    Pre-CRMSNorm stream (d−1 coordinates, or zero-padded), the comparison runs over the d−1
+    coordinates that model carries, not over the rebuilt last one: that one is −Σ of the others,
+    so in a rounding dtype it holds the sum of their d−1 rounding errors (≈ √(d−1) × a typical
+    coordinate's; measured 8e-6 against 1e-6 on the carried coordinates at d = 1600, float32),
+    and judging it against the original's per-coordinate error (a coordinate the original
+    computes, not sums) fails a model that is no less accurate where it matters (carried
+    coordinates 1.6×, logits 1.5× the original's error). A zero-mean vector is determined by its
+    first d−1 coordinates, so nothing an exact comparison would catch is lost (docs/crmsnorm.md,
+    "When Pre-CRMSNorm loses float32 accuracy")."""
+    t, r = stream_view(test, ref)
+    t, r = center_last(t), center_last(r)
+    if t.shape == r.shape and (t.shape[-1] != test.shape[-1] or r.shape[-1] != ref.shape[-1]
+                               or is_zero_last(test) != is_zero_last(ref)):
+        t, r = t[..., :-1], r[..., :-1]
+    return TensorDiff.of(name, t, r)
+
+
 def diff_outputs(test: dict[str, Tensor], ref: dict[str, Tensor], skip=(), centered=CENTERED_OUTPUTS) -> list[TensorDiff]:
     """Per-output differences of `test` against `ref`; outputs missing from `test` count as infinite."""
     skipped = _resolve_skip(list(ref), skip)
@@ -134,11 +154,43 @@ def diff_outputs(test: dict[str, Tensor], ref: dict[str, Tensor], skip=(), cente
             diffs.append(TensorDiff(name, float("inf"), float("inf"), 0.0))
             continue
         if _is_centered(name, centered):
-            t, r = stream_view(t, r)
-            diffs.append(TensorDiff.of(name + " (centred)", center_last(t), center_last(r)))
+            diffs.append(stream_diff(name + " (centred)", t, r))
         else:
             diffs.append(TensorDiff.of(name, t, r))
     return diffs
+
+
+def explain_failures(rows: list[dict], test: dict[str, Tensor], ref: dict[str, Tensor], dtype: torch.dtype) -> None:
+    """Add a `why` to each failing working-dtype row of a residual-stream output whose error sits on its
+    last coordinate while the other coordinates pass the same rule. In a Pre-CRMSNorm model that
+    coordinate is rebuilt as −Σ of the other d−1 (a final norm's decompressed d-wide output, which
+    is a model output and stays judged in full): it holds the sum of their rounding errors, ≈ √(d−1) × one coordinate's. That is a
+    property of the d−1 stream in a rounding dtype, not of the conversion; the row still fails."""
+    for row in rows:
+        if row["ok"] or not row["name"].endswith(" (centred)"):
+            continue
+        name = row["name"][: -len(" (centred)")]
+        if name not in test or name not in ref:
+            continue
+        t, r = stream_view(test[name], ref[name])
+        t, r = center_last(t), center_last(r)
+        if t.shape != r.shape or t.shape[-1] < 2:
+            continue
+        scale = float(r.abs().max())
+        if scale == 0:
+            continue
+        err = (t - r).abs()
+        last, rest = float(err[..., -1].max()) / scale, float(err[..., :-1].max()) / scale
+        b = row["original_rel_error"]
+        if rest <= WORKING_FACTOR * b + ULP_FLOOR * dtype_eps(dtype) < last:
+            ratio = f", {rest / b:.1f}x the original's" if b > 0 else ""
+            worse = f", {last / b:.1f}x the original's error" if b > 0 else ""
+            row["why"] = (f"the error sits on the last coordinate ({last:.2e}{worse}; the other {t.shape[-1] - 1} "
+                          f"coordinates {rest:.2e}{ratio}, within the rule): a Pre-CRMSNorm model rebuilds that "
+                          f"coordinate as minus the sum of the other d-1 in {str(dtype).replace('torch.', '')}, "
+                          f"so it carries the sum of their rounding errors (about sqrt(d-1) times one "
+                          f"coordinate's). A conditioning property of the d-1 stream, not a wrong conversion; "
+                          f"see docs/crmsnorm.md, 'When Pre-CRMSNorm loses float32 accuracy'")
 
 
 def top1_agreement(test: dict[str, Tensor], ref: dict[str, Tensor]) -> float | None:
@@ -221,6 +273,8 @@ def verify_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *
         ok = d.max_rel <= WORKING_FACTOR * b_rel + floor
         working_ok &= ok
         rows.append({"name": d.name, "converted_rel_error": d.max_rel, "original_rel_error": b_rel, "ok": ok})
+    if dtype != torch.float64:
+        explain_failures(rows, conv_w, exact, dtype)
     direct = diff_outputs(conv_w, orig_w, skip, centered)
     worst_direct = worst_of(direct)
     passed = working_ok and (fp64 is None or fp64["passed"])

@@ -377,6 +377,9 @@ def summary(report, written, args) -> str:
             vrows.append([f"{v['dtype']}: converted vs float64 original", "", sci(worst["converted_rel_error"]),
                           f"{'pass' if v['working']['passed'] else 'FAIL'} (<= 4x baseline; worst: {worst['name']})"])
         lines.append(table(vrows, header=["verification", "max abs", "max rel", ""]))
+        for r in v["working"]["outputs"]:
+            if not r["ok"] and r.get("why"):
+                lines.append(f"  why {r['name']} fails: {r['why']}")
     for w in report.warnings:
         lines.append(f"  warning: {w}")
     for n in report.notes:

@@ -40,7 +40,7 @@ from torch import nn
 
 from ..errors import CheckpointError, NormfoldError
 from ..verify import (CENTERED_OUTPUTS, ULP_FLOOR, WORKING_FACTOR, TensorDiff, dtype_eps, worst_of, describe_inputs,
-                      diff_outputs, run_model, stored_weights_tolerance, top1_agreement)
+                      diff_outputs, explain_failures, run_model, stored_weights_tolerance, top1_agreement)
 from .memory import BufferPool, Ledger
 from .passes import Pass, block_diff, stream_in, to_stream
 from .reader import CheckpointReader
@@ -134,6 +134,8 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
         ok = d.max_rel <= WORKING_FACTOR * b_rel + floor
         working_ok &= ok
         rows.append({"name": d.name, "converted_rel_error": d.max_rel, "original_rel_error": b_rel, "ok": ok})
+    if c_dtype != FP64:
+        explain_failures(rows, conv_w, exact, c_dtype)
     wblocks = _working_blocks(ref, p_ow, p_cw, floor)
     direct = diff_outputs(conv_w, orig_w, (), centered)
     worst_direct = worst_of(direct)

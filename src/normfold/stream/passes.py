@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..verify import TensorDiff, center_last, is_zero_last, stream_view
+from ..verify import TensorDiff, center_last, is_zero_last, stream_diff
 from .streamer import Streamer
 
 
@@ -79,8 +79,7 @@ def block_diff(name: str, test, ref) -> TensorDiff:
     t, r = _stream_out(test), _stream_out(ref)
     if t is None or r is None:
         return TensorDiff(name, float("inf"), float("inf"), 0.0)
-    t, r = stream_view(t.double(), r.double())
-    return TensorDiff.of(name, center_last(t), center_last(r))
+    return stream_diff(name, t.double(), r.double())
 
 
 
