@@ -380,6 +380,8 @@ def summary(report, written, args) -> str:
         for r in v["working"]["outputs"]:
             if not r["ok"] and r.get("why"):
                 lines.append(f"  why {r['name']} fails: {r['why']}")
+            elif r["ok"] and r.get("note"):
+                lines.append(f"  note on {r['name']}: {r['note']}")
     for w in report.warnings:
         lines.append(f"  warning: {w}")
     for n in report.notes:

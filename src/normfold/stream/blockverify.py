@@ -135,7 +135,7 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
         working_ok &= ok
         rows.append({"name": d.name, "converted_rel_error": d.max_rel, "original_rel_error": b_rel, "ok": ok})
     if c_dtype != FP64:
-        explain_failures(rows, conv_w, exact, c_dtype)
+        working_ok = explain_failures(rows, conv_w, exact, c_dtype)
     wblocks = _working_blocks(ref, p_ow, p_cw, floor)
     direct = diff_outputs(conv_w, orig_w, (), centered)
     worst_direct = worst_of(direct)
