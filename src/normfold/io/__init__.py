@@ -518,5 +518,8 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, *, fas
         from .. import fastpath
 
         fastpath.apply(model)
+        from ..nn.tied import pack_tied_heads
+
+        pack_tied_heads(model)  # tied heads: one GEMM over [E' | μ | μ | 0…] where measured to pay
     model.normfold_report = report
     return model
