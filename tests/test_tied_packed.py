@@ -12,10 +12,22 @@ from torch import nn
 import normfold
 from helpers import realistic, rel_err
 from normfold.nn import TiedHead
-from normfold.nn.tied import AUG_DTYPES, pack_tied_heads, unpack_tied_heads
+from normfold.nn import tied
+from normfold.nn.tied import pack_tied_heads, unpack_tied_heads
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
+
+
+@pytest.fixture(autouse=True)
+def _pack_float64_too(monkeypatch):
+    """The packed form runs in bfloat16 only (where it pays); float64 too here, to check it exactly."""
+    monkeypatch.setattr(tied, "AUG_DTYPES", frozenset({torch.bfloat16, torch.float64}))
+
+
+def test_packed_dtypes_are_where_it_was_measured_to_pay(monkeypatch):
+    monkeypatch.undo()
+    assert tied.AUG_DTYPES == frozenset({torch.bfloat16})
 
 
 def _head(dtype, scale=True, bias=True, vocab=37, d=12):
@@ -89,7 +101,7 @@ def test_to_dtype_deepcopy_and_gradients():
     with torch.no_grad():
         assert rel_err(twin["head"](y), want) <= 1e-12
     holder.float()
-    assert torch.float32 not in AUG_DTYPES and not head.packed() and "_normfold_aug" not in head.__dict__
+    assert torch.float32 not in tied.AUG_DTYPES and not head.packed() and "_normfold_aug" not in head.__dict__
     holder.double()
     assert head.packed()  # re-packed in the new dtype
     # gradients (fine-tuning): the formula runs and they are those of the untied product

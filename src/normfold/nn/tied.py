@@ -25,7 +25,8 @@ Parameter object, its `.data` re-pointed: state dict, `normfold.save` bytes, opt
 is accumulated inside the GEMM in float32 instead of added afterwards. The μ columns are copied from
 `mean` whenever its or the buffer's version counter moved. It runs only while the weight still lives in
 the buffer (data pointer and strides checked each call), with no gradient wanted, outside
-torch.compile / torch.export, on the CPU, in AUG_DTYPES; otherwise the formula above runs.
+torch.compile / torch.export / jit tracing, on the CPU, in AUG_DTYPES (bfloat16); otherwise the formula
+above runs.
 """
 
 from __future__ import annotations
@@ -40,10 +41,11 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-# dtypes where the one-GEMM form runs: bfloat16 (measured: GPT-2 small head 1.02x the stock tied matmul
-# instead of 1.07x); float64 so tests exercise it. float32 keeps the in-place addcmul_ (1.01x; the
-# augmented GEMM measured 1.03-1.12x there).
-AUG_DTYPES = frozenset({torch.bfloat16, torch.float64})
+# dtypes where `pack` applies: bfloat16 only, where it was measured to pay (GPT-2 small's head, 1x256
+# tokens, one thread: 0.98-1.02x the stock tied matmul instead of 1.06-1.07x). float32 keeps the in-place
+# addcmul_ (1.01x; the augmented GEMM measured 1.03-1.12x there), and so does float64 (1.03x vs 1.11x);
+# tests add float64 to exercise the packed form exactly (monkeypatching this set).
+AUG_DTYPES = frozenset({torch.bfloat16})
 AUG_PAD = 8  # extra columns: s_hi, s_lo and zeros (a row of 776 bf16 = 1552 bytes)
 _AUG = "_normfold_aug"
 _AUG_SYNC = "_normfold_aug_sync"
