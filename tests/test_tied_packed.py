@@ -225,3 +225,14 @@ def test_packed_head_exports_to_onnx(tmp_path):
     (out,) = sess.run(None, {i.name: a.numpy() for i, a in zip(sess.get_inputs(), (ids, y))})
     with torch.no_grad():
         assert rel_err(torch.from_numpy(out), m(ids, y)) <= 1e-12
+
+
+def test_unpack_and_pack_a_converted_bfloat16_model():
+    model = _gpt2(torch.bfloat16)
+    conv, report = normfold.convert(model, verify=False)
+    assert conv.lm_head.packed()
+    plain, _ = normfold.convert(model, verify=False, fast=False)
+    assert not plain.lm_head.packed()
+    assert unpack_tied_heads(conv) == 1 and not conv.lm_head.packed()
+    assert conv.transformer.wte.weight.is_contiguous()
+    assert pack_tied_heads(conv) == 1
