@@ -89,7 +89,8 @@ def decode(rounds: int = 11, number: int = 2000) -> None:
             for _ in range(rounds):
                 for k, f in c.items():
                     res[k].append(timeit.timeit(f, number=number) / number * 1e6)
-        print(str(dt)[6:], "  ".join(f"{k} min {min(v):.2f} med {sorted(v)[rounds // 2]:.2f} us" for k, v in res.items()))
+        cells = (f"{k} min {min(v):.2f} med {sorted(v)[rounds // 2]:.2f} us" for k, v in res.items())
+        print(str(dt)[6:], "  ".join(cells))
 
 
 if __name__ == "__main__":
