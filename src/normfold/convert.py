@@ -623,7 +623,8 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
     the table instead (plain `transformers` form, stock-reloadable, V×d more parameters).
 
     `fast` (default True) applies `normfold.fastpath` to the result, as `normfold.load` does: the
-    residual add fused with the next norm in supported blocks, padded Pre-CRMS writers. They change
+    residual add fused with the next norm in supported blocks, padded Pre-CRMS writers, bfloat16 tied heads
+    packed into one GEMM (`nn.TiedHead.pack`). They change
     how the model computes (rounding only), not its parameters; fast=False leaves them out.
     """
     options = resolve_options(options, "normfold.convert", to=to, keep_affine=keep_affine, fold_final=fold_final,
@@ -667,6 +668,9 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
         from . import fastpath
 
         fastpath.refresh(out[0], fast)  # the norms and shapes changed: fast paths where they still fit
+        from .nn.tied import pack_tied_heads, unpack_tied_heads
+
+        pack_tied_heads(out[0]) if fast else unpack_tied_heads(out[0])
         return out
     t0 = time.perf_counter()
     if adapter is None:
@@ -699,6 +703,9 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
         from . import fastpath
 
         fastpath.apply(target)
+        from .nn.tied import pack_tied_heads
+
+        pack_tied_heads(target)
     target.normfold_report = report  # what the reverse conversions (compress/reverse.py) read back
     report.size = size_report(before, target)
     report.kept = kept_norms(original, plan, {r.name for r in report.structure.norms})

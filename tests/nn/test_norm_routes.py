@@ -146,3 +146,23 @@ def test_no_compiler_install_uses_the_layernorm_route(tmp_path):
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run([sys.executable, "-c", NO_COMPILER], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "NO-COMPILER OK" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("grad", [False, True])
+def test_decode_sized_fused_call_is_the_unfused_pair(dtype, grad):
+    """RMSNorm(x, residual) on a decode-sized input takes forward(s)'s LayerNorm route directly (one
+    round of checks): the same (s, y) as the add and the plain call, bit for bit."""
+    m = converted(768, dtype)
+    x, r = zero_mean((1, 1, 768), dtype, 1), zero_mean((1, 1, 768), dtype, 2)
+    if grad:
+        x.requires_grad_(True)
+    with torch.set_grad_enabled(grad):
+        s, y = m(x, r)
+        s_ref = x + r
+        y_ref = m(s_ref)
+    assert torch.equal(s, s_ref) and torch.equal(y, y_ref)
+    assert rel(y, reference.rms_norm(s.double(), m.weight.double())) <= TOL[dtype]
+    if grad:
+        y.sum().backward()
+        assert x.grad is not None

@@ -133,6 +133,7 @@ def untie_heads(model: nn.Module, structure: Structure) -> None:
     heads = [(n, m) for n, m in model.named_modules() if isinstance(m, TiedHead)]
     untied = False
     for name, head in heads:
+        head.unpack()  # the stock head / table must not stay a view of the runtime buffer
         parent, leaf = parent_and_leaf(model, name)
         if head.scale is None and name not in structure.added_bias:
             table = head._table

@@ -480,8 +480,8 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, *, fas
     `normfold.json` against its schema, and its structure against config.json and the weights' headers
     (`check_report_fits`); any failure is a NormfoldError. The returned model (eval mode) has the report
     at `model.normfold_report`. `fast=False` skips the runtime fast paths of `normfold.fastpath` (exact
-    rewrites of how the model computes: fused add + norm blocks, padded Pre-CRMS writers); the
-    checkpoint's tensors are the same either way."""
+    rewrites of how the model computes: fused add + norm blocks, padded Pre-CRMS writers, bfloat16 tied
+    heads packed into one GEMM: `nn.TiedHead.pack`); the checkpoint's tensors are the same either way."""
     path = Path(path)
     torch_dtype = _parse_dtype(dtype)
     report, config, cls, stock, kwargs = inspect_converted_kwargs(path)
@@ -518,5 +518,8 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, *, fas
         from .. import fastpath
 
         fastpath.apply(model)
+        from ..nn.tied import pack_tied_heads
+
+        pack_tied_heads(model)  # tied heads: one GEMM over [E' | μ | μ | 0…] where measured to pay
     model.normfold_report = report
     return model

@@ -97,6 +97,10 @@ class RMSNorm(_AffineNorm):
         # decode-sized inputs keep the unfused pair (the LayerNorm route: same result as the unfused model)
         if self.zero_mean_input and x.numel() <= LN_ROUTE_MAX_NUMEL and not torch.compiler.is_compiling():
             s = x + residual
+            w, b = self._affine()
+            if _cpu_fast_path[0] and s.is_cpu and s.dtype in _LN_DTYPES and _no_grad_needed(s, w, b):
+                # forward(s)'s route for this case, without its second round of checks (decode steps)
+                return s, torch.layer_norm(s, self.normalized_shape, w, b, self.eps)
             return s, self.forward(s)
         w, b = self._affine()
         return ops.add_rms_norm(x, residual, w, b, self.eps)
