@@ -56,9 +56,10 @@ __all__ = ["FUSED_BLOCKS", "handoff", "FusedBlock", "PADDED_DTYPES", "PADDED_WRI
 
 def strip(model: nn.Module) -> dict:
     """Remove every fast path (the model's modules get their transformers classes back)."""
-    handoff.unlink(model)
+    handoffs = handoff.unlink(model)
     mods = list(model.modules())
-    return {"padded_writers": sum(unpad_writer(m) for m in mods), "fused_blocks": sum(unfuse_block(m) for m in mods)}
+    return {"padded_writers": sum(unpad_writer(m) for m in mods), "fused_blocks": sum(unfuse_block(m) for m in mods),
+            "handoffs": handoffs}
 
 
 def refresh(model: nn.Module, fast: bool = True) -> dict:

@@ -138,9 +138,9 @@ def _hooked(block: nn.Module, link: _Link) -> bool:
 
 def add(block: nn.Module, delta: Tensor, residual: Tensor) -> Tensor:
     """delta + residual (the block's last add), formed by the linked norm's fused op when it may be."""
-    link = block.__dict__.get(_LINK)
-    if link is None or type(delta) is not Tensor or type(residual) is not Tensor \
-            or torch.compiler.is_compiling() or torch.jit.is_tracing() \
+    link = None if torch.compiler.is_compiling() else block.__dict__.get(_LINK)  # compile / export: plain
+    if link is None or torch.jit.is_tracing() \
+            or type(delta) is not Tensor or type(residual) is not Tensor \
             or delta.numel() <= LN_ROUTE_MAX_NUMEL or delta.shape != residual.shape \
             or delta.dtype != residual.dtype or delta.device != residual.device:
         return delta + residual
