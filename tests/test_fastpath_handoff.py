@@ -126,7 +126,7 @@ def test_handoff_exact_in_float64(tmp_path, family, to):
     # block i links to block i+1's first norm, the last block to the final norm, where that norm reads the
     # stash: an RMSNorm / CRMSNorm, not a StreamCRMSNorm that decompresses the Pre-CRMS stream back to d
     # (GPT-J / Phi Pre-CRMS: every norm decompresses, nothing is linked, the blocks add plainly)
-    targets = [handoff._entry(b) for b in layers[1:]] + [getattr(base(fast), _FINAL[family])]
+    targets = [getattr(b, handoff._entry(b)) for b in layers[1:]] + [getattr(base(fast), _FINAL[family])]
     expected = sum(handoff._target(n) for n in targets)
     assert [handoff.is_linked(b) for b in layers] == [handoff._target(n) for n in targets]
     assert to == "crmsnorm" or expected == LAYERS
@@ -245,7 +245,7 @@ def test_deepcopy_state_dict_and_save_unaffected(tmp_path):
     assert [n for n, _ in fast.named_modules()] == [n for n, _ in plain.named_modules()]
     twin = copy.deepcopy(fast)
     h = twin.transformer.h
-    assert h[0].__dict__[handoff._LINK].norm is h[1].ln_1 and h[-1].__dict__[handoff._LINK].norm is twin.transformer.ln_f
+    assert handoff.target(h[0]) is h[1].ln_1 and handoff.target(h[-1]) is twin.transformer.ln_f
     x = _inputs(make, torch.float64)
     with torch.no_grad():
         ref = _out(plain, x)
@@ -273,3 +273,20 @@ def test_fast_model_exports(tmp_path, family):
         ep = torch.export.export(fast, (), x)
         assert handoff.stats(fast)["hits"] == hits  # no stash while tracing
         assert _rel(ep.module()(**x).logits, want) <= 1e-5
+
+
+def test_norm_replaced_after_linking(tmp_path):
+    """A norm swapped for another module after apply: the block looks its target up on each call, finds no
+    stash on the new module and adds plainly (no wasted fused op), and the result is the plain one."""
+    model, make, _ = _build("gpt2", torch.float64)
+    fast, plain, _ = _saved(tmp_path, model, "rmsnorm")
+    for m in (plain, fast):
+        torch.manual_seed(3)
+        ln = torch.nn.LayerNorm(D, dtype=torch.float64)  # the last one is fast's
+        torch.nn.init.normal_(ln.weight)
+        m.transformer.h[1].ln_1 = ln
+    x = _inputs(make, torch.float64)
+    with torch.no_grad():
+        assert _rel(_out(fast, x), _out(plain, x)) <= 1e-12
+    st = handoff.stats(fast)
+    assert st["hits"] == LAYERS - 1 and st["misses"] == 0 and handoff.target(fast.transformer.h[0]) is ln

@@ -118,11 +118,12 @@ class _Stash:
 
 
 class _Link:
-    """block → the norm that reads its output; `watch`: modules whose hooks run in between."""
+    """block → the norm that reads its output, as `owner._modules[attr]` (looked up on each call: a norm
+    replaced after linking has no stash, so the block adds plainly); `watch`: the next block (its
+    forward pre-hooks run in between)."""
 
-    def __init__(self, norm: nn.Module, watch: tuple[nn.Module, ...]) -> None:
-        self.norm = norm
-        self.watch = watch
+    def __init__(self, owner: nn.Module, attr: str, watch: tuple[nn.Module, ...]) -> None:
+        self.owner, self.attr, self.watch = owner, attr, watch
 
 
 def _key(x: Tensor, w, b):
@@ -130,8 +131,9 @@ def _key(x: Tensor, w, b):
             None if w is None else (id(w), w._version), None if b is None else (id(b), b._version))
 
 
-def _hooked(block: nn.Module, link: _Link) -> bool:
-    if block._forward_hooks or _module._global_forward_hooks or _module._global_forward_pre_hooks:
+def _hooked(block: nn.Module, link: _Link, norm: nn.Module) -> bool:
+    if block._forward_hooks or norm._forward_pre_hooks or _module._global_forward_hooks \
+            or _module._global_forward_pre_hooks:
         return True
     return any(m._forward_pre_hooks for m in link.watch)
 
@@ -144,7 +146,10 @@ def add(block: nn.Module, delta: Tensor, residual: Tensor) -> Tensor:
             or delta.numel() <= LN_ROUTE_MAX_NUMEL or delta.shape != residual.shape \
             or delta.dtype != residual.dtype or delta.device != residual.device:
         return delta + residual
-    norm = link.norm
+    norm = link.owner._modules.get(link.attr)
+    stash = None if norm is None else norm.__dict__.get(_STASH)
+    if stash is None:
+        return delta + residual
     w, b = norm._affine()
     if torch.is_grad_enabled() and (delta.requires_grad or residual.requires_grad
                                     or (w is not None and w.requires_grad) or (b is not None and b.requires_grad)):
@@ -152,22 +157,21 @@ def add(block: nn.Module, delta: Tensor, residual: Tensor) -> Tensor:
     if torch.is_autocast_enabled(delta.device.type) or delta.shape[-1] != norm.normalized_shape[0]:
         return delta + residual
     if delta.is_inference() or residual.is_inference():
-        if not INFERENCE_TENSORS or _hooked(block, link):
+        if not INFERENCE_TENSORS or _hooked(block, link, norm):
             return delta + residual
     op = ops.add_crms_norm if isinstance(norm, CRMSNorm) else ops.add_rms_norm
     s, n = op(delta, residual, w, b, norm.eps)
-    stash = norm.__dict__[_STASH]
     stash.ref, stash.n, stash.key = weakref.ref(s), n, _key(s, w, b)
     return s
 
 
-def _entry(block: nn.Module) -> nn.Module | None:
+def _entry(block: nn.Module) -> str | None:
+    """The attribute name of the norm that first reads `block`'s input (FusedBlock.entry)."""
     from .blocks import FUSED_BLOCKS
     spec = FUSED_BLOCKS.get(type(block).__name__)
     for name in (spec.entry if spec is not None else ()):
-        norm = getattr(block, name, None)
-        if norm is not None:
-            return norm
+        if block._modules.get(name) is not None:
+            return name
     return None
 
 
@@ -189,7 +193,8 @@ def link(model: nn.Module) -> int:
             continue
         try:
             layers = list(m.get_submodule(spec.layers))
-            final = m.get_submodule(spec.final)
+            parent, _, name = spec.final.rpartition(".")
+            final = (m.get_submodule(parent) if parent else m, name)
         except AttributeError:
             continue
         for i, blk in enumerate(layers):
@@ -197,11 +202,12 @@ def link(model: nn.Module) -> int:
             if not is_fused(blk) or fb is None or not fb.hands_off:
                 continue
             nxt = layers[i + 1] if i + 1 < len(layers) else None
-            norm = _entry(nxt) if nxt is not None else final
+            owner, attr = (nxt, _entry(nxt)) if nxt is not None else final
+            norm = owner._modules.get(attr) if attr is not None else None
             if not _target(norm):
                 continue
-            watch = (nxt, norm) if nxt is not None else (norm,)
-            object.__setattr__(blk, _LINK, _Link(norm, watch))
+            watch = (nxt,) if nxt is not None else ()
+            object.__setattr__(blk, _LINK, _Link(owner, attr, watch))
             if not isinstance(norm.__dict__.get(_STASH), _Stash):
                 object.__setattr__(norm, _STASH, _Stash())
             count += 1
@@ -220,6 +226,12 @@ def unlink(model: nn.Module) -> int:
 
 def is_linked(block: nn.Module) -> bool:
     return _LINK in block.__dict__
+
+
+def target(block: nn.Module) -> nn.Module | None:
+    """The norm `block` hands its output's norm to (None where it is not linked)."""
+    link = block.__dict__.get(_LINK)
+    return None if link is None else link.owner._modules.get(link.attr)
 
 
 def stats(model: nn.Module) -> dict:
