@@ -145,7 +145,8 @@ def test_handoff_exact_in_float64(tmp_path, family, to):
 
 
 @pytest.mark.parametrize("family,to", CASES, ids=IDS)
-def test_handoff_kernel_path_float32(tmp_path, family, to):
+def test_handoff_kernel_path_float32(tmp_path, family, to, monkeypatch):
+    monkeypatch.setattr(handoff, "FLOAT32_MIN_NUMEL", 0)  # these inputs are small: hand off anyway
     model, make, _ = _build(family, torch.float32)
     fast, plain, _ = _saved(tmp_path, model, to)
     x = _inputs(make, torch.float32)
@@ -161,7 +162,8 @@ def test_handoff_kernel_path_float32(tmp_path, family, to):
 
 
 @pytest.mark.parametrize("family", DECODERS)
-def test_handoff_generate_tokens_unchanged(tmp_path, family):
+def test_handoff_generate_tokens_unchanged(tmp_path, family, monkeypatch):
+    monkeypatch.setattr(handoff, "FLOAT32_MIN_NUMEL", 0)
     model, make, _ = _build(family, torch.float32)
     fast, plain, _ = _saved(tmp_path, model, "rmsnorm" if family in ("gptj", "phi") else "crmsnorm")
     ids = _inputs(make, torch.float32)["input_ids"]
@@ -198,7 +200,8 @@ def test_in_place_change_by_a_hook_falls_back(tmp_path, family):
     assert handoff.stats(fast)["misses"] == 1
 
 
-def test_other_tensor_and_in_place_change_by_hand(tmp_path):
+def test_other_tensor_and_in_place_change_by_hand(tmp_path, monkeypatch):
+    monkeypatch.setattr(handoff, "FLOAT32_MIN_NUMEL", 0)
     model, make, _ = _build("gpt2", torch.float32)
     fast, plain, _ = _saved(tmp_path, model, "rmsnorm")
     b0, b1 = fast.transformer.h[0], fast.transformer.h[1]
@@ -263,7 +266,8 @@ def test_deepcopy_state_dict_and_save_unaffected(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["gpt2", "falcon_new_arch"])
-def test_fast_model_exports(tmp_path, family):
+def test_fast_model_exports(tmp_path, family, monkeypatch):
+    monkeypatch.setattr(handoff, "FLOAT32_MIN_NUMEL", 0)
     model, make, _ = _build(family, torch.float32)
     fast, _, _ = _saved(tmp_path, model, "crmsnorm")
     x = {**_inputs(make, torch.float32), "use_cache": False}
@@ -290,3 +294,15 @@ def test_norm_replaced_after_linking(tmp_path):
         assert _rel(_out(fast, x), _out(plain, x)) <= 1e-12
     st = handoff.stats(fast)
     assert st["hits"] == LAYERS - 1 and st["misses"] == 0 and handoff.target(fast.transformer.h[0]) is ln
+
+
+def test_small_float32_sums_add_plainly(tmp_path):
+    """Below FLOAT32_MIN_NUMEL a float32 block adds plainly (a speed choice): no stash, the plain result."""
+    model, make, _ = _build("gpt2", torch.float32)
+    fast, plain, _ = _saved(tmp_path, model, "rmsnorm")
+    x = _inputs(make, torch.float32)
+    assert x["input_ids"].numel() * D < handoff.FLOAT32_MIN_NUMEL
+    with torch.no_grad():
+        got, ref = _out(fast, x), _out(plain, x)
+    assert handoff.stats(fast)["hits"] == 0 and handoff.stats(fast)["misses"] == 0
+    assert _rel(got, ref) <= 1e-5

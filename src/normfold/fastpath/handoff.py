@@ -19,8 +19,9 @@ so the model computes what the unfused model computes:
   taken with respect to s (output_hidden_states attribution, s.retain_grad(), tensor hooks on s)
   would miss the norm's path. Training keeps the within-block fusion (normfold.train);
 - decode-sized sums (≤ LN_ROUTE_MAX_NUMEL elements) → the plain add, so generate()'s decode steps
-  take the same route as the unfused model (and pay no stash bookkeeping);
-- autocast enabled → plain.
+  take the same route as the unfused model (and pay no stash bookkeeping); float32 sums below
+  FLOAT32_MIN_NUMEL too (a speed choice, see there: ViT-S/16 at batch 1, 197×384, stays plain in
+  float32);
 - inference tensors (torch.inference_mode) carry no version counter, so an in-place change cannot
   be seen on them: under inference_mode a stash is made only while no module forward hook of the
   producing block, no forward pre-hook of the next block or of the norm, and no global module
@@ -57,6 +58,11 @@ from ..nn import CRMSNorm, RMSNorm
 from ..ops.registry import LN_ROUTE_MAX_NUMEL
 
 INFERENCE_TENSORS = True  # hand off under torch.inference_mode too (see the module docstring)
+# float32 sums below this many elements add plainly: there the fused op saves less than the hand-off's
+# Python bookkeeping costs (about 4 µs a block on the 2-vCPU EPYC, one thread, CPU time: add + norm vs
+# hand-off, 197×384 float32 30.6 vs 34.4 µs, 256×768 66.3 vs 63.7, 1024×768 334.7 vs 324.1; bfloat16
+# 31.8 vs 31.7, 70.1 vs 58.7, 247.2 vs 199.6)
+FLOAT32_MIN_NUMEL = 131072
 
 _LINK = "_normfold_handoff_link"  # in a block's __dict__: _Link
 _STASH = "_normfold_handoff"  # in a norm's __dict__: _Stash (read by RMSNorm / CRMSNorm.forward)
@@ -141,24 +147,22 @@ def _hooked(block: nn.Module, link: _Link, norm: nn.Module) -> bool:
 def add(block: nn.Module, delta: Tensor, residual: Tensor) -> Tensor:
     """delta + residual (the block's last add), formed by the linked norm's fused op when it may be."""
     link = None if torch.compiler.is_compiling() else block.__dict__.get(_LINK)  # compile / export: plain
-    if link is None or torch.jit.is_tracing() \
-            or type(delta) is not Tensor or type(residual) is not Tensor \
-            or delta.numel() <= LN_ROUTE_MAX_NUMEL or delta.shape != residual.shape \
-            or delta.dtype != residual.dtype or delta.device != residual.device:
+    if link is None or type(delta) is not Tensor or type(residual) is not Tensor or torch.jit.is_tracing():
+        return delta + residual
+    numel = delta.numel()
+    if numel <= LN_ROUTE_MAX_NUMEL or (delta.dtype is torch.float32 and numel < FLOAT32_MIN_NUMEL) \
+            or delta.dtype != residual.dtype or delta.shape != residual.shape:
         return delta + residual
     norm = link.owner._modules.get(link.attr)
     stash = None if norm is None else norm.__dict__.get(_STASH)
-    if stash is None:
+    if stash is None or delta.shape[-1] != norm.normalized_shape[0]:
         return delta + residual
     w, b = norm._affine()
     if torch.is_grad_enabled() and (delta.requires_grad or residual.requires_grad
                                     or (w is not None and w.requires_grad) or (b is not None and b.requires_grad)):
         return delta + residual
-    if torch.is_autocast_enabled(delta.device.type) or delta.shape[-1] != norm.normalized_shape[0]:
+    if (delta.is_inference() or residual.is_inference()) and (not INFERENCE_TENSORS or _hooked(block, link, norm)):
         return delta + residual
-    if delta.is_inference() or residual.is_inference():
-        if not INFERENCE_TENSORS or _hooked(block, link, norm):
-            return delta + residual
     op = ops.add_crms_norm if isinstance(norm, CRMSNorm) else ops.add_rms_norm
     s, n = op(delta, residual, w, b, norm.eps)
     stash.ref, stash.n, stash.key = weakref.ref(s), n, _key(s, w, b)
