@@ -36,6 +36,16 @@ first reads the block's input) and stored in the block's `__dict__` (not `_modul
 named_modules and `normfold.save` do not see them, deepcopy of the whole model maps them to the
 copy's norms. The stash is an object whose deepcopy / pickle is an empty stash.
 
+Memory: a pending stash holds n (one activation) from the block's return to the norm's call; one that
+is never taken (a layer loop that stops early, a norm that is not called) holds it until the next
+forward replaces it or `strip` removes the stash. s itself is held only weakly.
+
+Speed (2-vCPU EPYC, one thread, CPU time, the pair alone: add + norm vs hand-off + stashed norm):
+the fused op saves a pass over memory, the bookkeeping (checks, weakref, the second call's lookup)
+costs about 4 µs a block; float32 197×384 30.6 vs 34.4 µs (a loss: below FLOAT32_MIN_NUMEL),
+256×768 66.3 vs 63.7, 1024×768 334.7 vs 324.1; bfloat16 197×384 31.8 vs 31.7, 256×768 70.1 vs 58.7,
+1024×768 247.2 vs 199.6. In whole models that is under 1 % (the norms are 1–3 % of a forward there).
+
 Why not patch the model's layer loop instead (`for block in h: s, n = block(n, s)`)? That means
 copying each family's whole model-level forward (masks, caches, position embeddings, output
 collection: far more transformers code per family than one block's last line, and more of it changes
