@@ -668,9 +668,6 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
         from . import fastpath
 
         fastpath.refresh(out[0], fast)  # the norms and shapes changed: fast paths where they still fit
-        from .nn.tied import pack_tied_heads, unpack_tied_heads
-
-        pack_tied_heads(out[0]) if fast else unpack_tied_heads(out[0])
         return out
     t0 = time.perf_counter()
     if adapter is None:
@@ -703,9 +700,6 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
         from . import fastpath
 
         fastpath.apply(target)
-        from .nn.tied import pack_tied_heads
-
-        pack_tied_heads(target)
     target.normfold_report = report  # what the reverse conversions (compress/reverse.py) read back
     report.size = size_report(before, target)
     report.kept = kept_norms(original, plan, {r.name for r in report.structure.norms})

@@ -24,10 +24,13 @@ never of what it computes or of what its checkpoint holds.
   run `normfold.ops.add_rms_norm` / `add_crms_norm`: one pass, differentiable, torch.compile and
   torch.export run the registered custom op or the reference formula). Decode-sized inputs
   (≤ LN_ROUTE_MAX_NUMEL) keep the unfused pair, so `generate()` takes the same route as unfused.
-  Exact: float64 ≤ 1e-12 against the unfused model (tests/test_fastpath.py, tests/fastpath/). The
-  block's MLP add is not fused with the next block's norm (that would change the block's output
-  contract); parallel-residual blocks (GPT-NeoX / Pythia, Falcon-7B/40B) have no add before a norm
-  inside the block and keep transformers' code (`FusedBlock.applies`).
+  Exact: float64 ≤ 1e-12 against the unfused model (tests/test_fastpath.py, tests/fastpath/).
+- **Cross-block hand-off** (`handoff.py`): the add at the END of a block (GPT-2, ViT, GPT-J, Phi,
+  GPT-NeoX and Falcon, sequential and parallel: in parallel blocks it is the only add) runs the next
+  norm's fused op; the block still returns the sum, and the next norm (next block's first norm, or
+  the final norm), called with exactly that tensor, unchanged, returns the stashed result. Anything
+  else falls back to the plain path. Links: `handoff.Stack` (layer list + final norm per model class)
+  and `FusedBlock.entry`; kept outside `_modules`.
 
 `normfold.convert(..., fast=True)` applies the same (and `refresh` after a reverse conversion);
 `strip(model)` removes everything.
@@ -40,28 +43,37 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..nn.tied import pack_tied_heads, unpack_tied_heads
+
 from . import families  # noqa: F401  (registers every family's fused blocks)
+from . import handoff
 from .blocks import FUSED_BLOCKS, FusedBlock, fusable, fuse_block, fuse_blocks, is_fused, register, unfuse_block
 from .padded import (PADDED_DTYPES, PADDED_WRITER_FAMILIES, PaddedLinear, is_padded, pad_writer, pad_writers,
                      stream_writers, unpad_writer)
 
-__all__ = ["FUSED_BLOCKS", "FusedBlock", "PADDED_DTYPES", "PADDED_WRITER_FAMILIES", "PaddedLinear", "apply",
+__all__ = ["FUSED_BLOCKS", "handoff", "FusedBlock", "PADDED_DTYPES", "PADDED_WRITER_FAMILIES", "PaddedLinear", "apply",
            "fusable", "fuse_block", "fuse_blocks", "is_fused", "is_padded", "pad_writer", "pad_writers", "refresh",
            "register", "stream_writers", "strip", "unfuse_block", "unpad_writer"]
 
 
 def strip(model: nn.Module) -> dict:
     """Remove every fast path (the model's modules get their transformers classes back)."""
+    handoffs = handoff.unlink(model)
     mods = list(model.modules())
-    return {"padded_writers": sum(unpad_writer(m) for m in mods), "fused_blocks": sum(unfuse_block(m) for m in mods)}
+    return {"padded_writers": sum(unpad_writer(m) for m in mods), "fused_blocks": sum(unfuse_block(m) for m in mods),
+            "handoffs": handoffs, "packed_tied_heads": unpack_tied_heads(model)}
 
 
 def refresh(model: nn.Module, fast: bool = True) -> dict:
     """strip, then apply where it still fits (after a conversion changed the model's norms or shapes)."""
     strip(model)
-    return apply(model) if fast else {"padded_writers": 0, "fused_blocks": 0}
+    return apply(model) if fast else {"padded_writers": 0, "fused_blocks": 0, "handoffs": 0, "packed_tied_heads": 0}
 
 
 def apply(model: nn.Module, *, fuse: bool = True, pad: bool = True) -> dict:
     """Every runtime fast path that applies to `model` (in place). Returns what was done."""
-    return {"padded_writers": pad_writers(model) if pad else 0, "fused_blocks": fuse_blocks(model) if fuse else 0}
+    out = {"padded_writers": pad_writers(model) if pad else 0, "fused_blocks": fuse_blocks(model) if fuse else 0}
+    out["handoffs"] = handoff.link(model) if fuse else 0
+    # tied heads: one GEMM over [E' | μ | μ | 0…] where measured to pay (normfold.nn.TiedHead.pack)
+    out["packed_tied_heads"] = pack_tied_heads(model)
+    return out

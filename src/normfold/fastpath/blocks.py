@@ -25,7 +25,10 @@ class FusedBlock:
     `base.forward` where it does not apply: cross-attention, a norm converted back to LayerNorm, ...).
     `norms` names every norm attribute that the patched forward calls with a residual: all must be
     normfold stream norms (`fusable`) for the block to be fused. `applies(block)`, when given, must also
-    hold (a configuration the patch covers: GPT-NeoX's sequential residual, Falcon's non-parallel block)."""
+    hold (a configuration the patch covers: GPT-NeoX's sequential residual, Falcon's non-parallel block).
+    `hands_off`: the patched forward forms its last add with `handoff.add` (the cross-block hand-off to
+    the next norm, see normfold.fastpath.handoff). `entry`: candidate attribute names of the norm that
+    first reads the block's input (the first present one is the previous block's hand-off target)."""
 
     class_name: str
     module: str
@@ -33,6 +36,8 @@ class FusedBlock:
     forward: Callable[[type], Callable]
     parameters: tuple[str, ...]
     applies: Callable[[nn.Module], bool] | None = None
+    hands_off: bool = False
+    entry: tuple[str, ...] = ()
 
 
 FUSED_BLOCKS: dict[str, FusedBlock] = {}

@@ -517,9 +517,6 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, *, fas
     if fast:
         from .. import fastpath
 
-        fastpath.apply(model)
-        from ..nn.tied import pack_tied_heads
-
-        pack_tied_heads(model)  # tied heads: one GEMM over [E' | μ | μ | 0…] where measured to pay
+        fastpath.apply(model)  # fused blocks, padded writers, packed tied heads
     model.normfold_report = report
     return model

@@ -82,6 +82,12 @@ class RMSNorm(_AffineNorm):
         s = x + residual (what `normfold.fastpath`'s fused blocks call; hooks on the module see it)."""
         if residual is not None:
             return self._add_forward(x, residual)
+        # normfold.fastpath.handoff: the previous block's fused add may have left norm(x) here
+        stash = None if torch.compiler.is_compiling() else self.__dict__.get("_normfold_handoff")
+        if stash is not None and stash.ref is not None:
+            y = stash.take(self, x)
+            if y is not None:
+                return y
         w, b = self._affine()
         if _cpu_fast_path[0] and x.is_cpu and _no_grad_needed(x, w, b) and not torch.compiler.is_compiling() \
                 and not _jit_tracing():
@@ -138,6 +144,11 @@ class CRMSNorm(_AffineNorm):
         if residual is not None:
             w, b = self._affine()
             return ops.add_crms_norm(x, residual, w, b, self.eps)
+        stash = None if torch.compiler.is_compiling() else self.__dict__.get("_normfold_handoff")  # RMSNorm's
+        if stash is not None and stash.ref is not None:
+            y = stash.take(self, x)
+            if y is not None:
+                return y
         w, b = self._affine()
         if _cpu_fast_path[0] and x.is_cpu and _no_grad_needed(x, w, b) and not torch.compiler.is_compiling() \
                 and not _jit_tracing():

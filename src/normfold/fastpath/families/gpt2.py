@@ -1,8 +1,11 @@
-"""GPT-2 (transformers 5's GPT2Block): the attention output's add fused with ln_2."""
+"""GPT-2 (transformers 5's GPT2Block): the attention output's add fused with ln_2; the MLP add handed off
+to the next block's ln_1 / ln_f (normfold.fastpath.handoff)."""
 
 from __future__ import annotations
 
+from .. import handoff
 from ..blocks import FusedBlock, fusable, register
+from ..handoff import Stack, register_stack
 
 
 def _forward(base):
@@ -20,10 +23,12 @@ def _forward(base):
         attn_output, _ = self.attn(hidden_states, cache=cache, attention_mask=attention_mask, use_cache=use_cache,
                                    **kwargs)
         residual, hidden_states = self.ln_2(attn_output, residual)  # attn_output + residual, then ln_2
-        return residual + self.mlp(hidden_states)
+        return handoff.add(self, self.mlp(hidden_states), residual)  # residual + mlp, maybe with the next norm
     return forward
 
 
 register(FusedBlock("GPT2Block", "transformers.models.gpt2.modeling_gpt2", ("ln_2",), _forward,
                     ("self", "hidden_states", "cache", "attention_mask", "encoder_hidden_states",
-                     "encoder_attention_mask", "use_cache", "kwargs")))
+                     "encoder_attention_mask", "use_cache", "kwargs"),
+                    hands_off=True, entry=("ln_1",)))
+register_stack(Stack("GPT2Model", "transformers.models.gpt2.modeling_gpt2", "h", "ln_f"))

@@ -1,8 +1,11 @@
-"""ViT (transformers 5's ViTLayer): the attention output's add fused with layernorm_after."""
+"""ViT (transformers 5's ViTLayer): the attention output's add fused with layernorm_after; the MLP add handed
+off to the next layer's layernorm_before / the final layernorm (normfold.fastpath.handoff)."""
 
 from __future__ import annotations
 
+from .. import handoff
 from ..blocks import FusedBlock, fusable, register
+from ..handoff import Stack, register_stack
 
 
 def _forward(base):
@@ -16,9 +19,10 @@ def _forward(base):
         residual, hidden_states = self.layernorm_after(hidden_states, residual)  # + residual, then the norm
         hidden_states = self.mlp(hidden_states)
         hidden_states = self.dropout(hidden_states)
-        return hidden_states + residual
+        return handoff.add(self, hidden_states, residual)
     return forward
 
 
 register(FusedBlock("ViTLayer", "transformers.models.vit.modeling_vit", ("layernorm_after",), _forward,
-                    ("self", "hidden_states", "attention_mask", "kwargs")))
+                    ("self", "hidden_states", "attention_mask", "kwargs"), hands_off=True, entry=("layernorm_before",)))
+register_stack(Stack("ViTModel", "transformers.models.vit.modeling_vit", "layers", "layernorm"))
