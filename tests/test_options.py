@@ -49,7 +49,8 @@ def test_resolve_lays_keywords_over_the_object():
 
 
 @pytest.mark.parametrize("kw", [dict(to="rmsnorm"), dict(to="rmsnorm", keep_affine=True, fold_final=True),
-                                dict(to="crmsnorm", pad=True), dict(to="crmsnorm")])
+                                dict(to="crmsnorm", pad=True), dict(to="crmsnorm"),
+                                dict(to="rmsnorm", rotate="orthogonal", rotate_seed=3)])
 def test_convert_object_and_keywords_agree_and_are_exact(kw):
     model = gpt2()
     by_kw, r1 = normfold.convert(model, **kw)
@@ -144,3 +145,16 @@ def test_renamed_functions_keep_their_old_names_for_one_release():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ops.load_kernels()
+
+
+def test_rotation_is_refused_where_it_has_no_form(tmp_path):
+    """rotate is a field like the others; the entry points without a rotated form refuse it by name."""
+    from normfold.stream import stream_convert
+    from normfold.stream.source import StreamUnsupportedError
+
+    with pytest.raises(UnsupportedConversionError, match="rotate"):
+        nftrain.prepare(gpt2(), options=ConvertOptions(rotate="hadamard"))
+    gpt2(torch.float32).save_pretrained(tmp_path / "src")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(StreamUnsupportedError, match="rotate"):
+        stream_convert(tmp_path / "src", tmp_path / "out", options=ConvertOptions(rotate="hadamard"))

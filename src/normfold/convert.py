@@ -594,8 +594,8 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
             keep_affine: bool | None = None, fold_final: bool | None = None, allow_new_bias: bool | None = None,
             pad: bool | None = None, variant_options: dict | None = None, adapter: Adapter | None = None,
             inplace: bool = False, verify: bool = True, inputs: dict | None = None, fp64_tol: float = 1e-9,
-            progress: Progress | None = None, auto: bool = False, rotate: str | None = None, rotate_seed: int = 0,
-            rotate_online: bool = False, untie: bool | None = None,
+            progress: Progress | None = None, auto: bool = False, rotate: str | None = None,
+            rotate_seed: int | None = None, rotate_online: bool | None = None, untie: bool | None = None,
             fast: bool = True) -> tuple[nn.Module, ConversionReport]:
     """Convert `model` and return (converted model in eval mode, report).
 
@@ -610,7 +610,8 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
     from the config's modality, see `normfold.analysis.autoplan`).
 
     How to convert is `options` (a `normfold.ConvertOptions`) or its fields as keywords (`to`,
-    `keep_affine`, `fold_final`, `allow_new_bias`, `pad`, `variant_options`); a keyword overrides the
+    `keep_affine`, `fold_final`, `allow_new_bias`, `pad`, `untie`, `rotate`, `rotate_seed`, `rotate_online`,
+    `variant_options`); a keyword overrides the
     object's field. Defaults: to="rmsnorm", γ/β folded into readers, final norms kept.
     `rotate` ("hadamard" or "orthogonal", seeded by `rotate_seed`): after the Pre-RMSNorm conversion with
     every γ folded (final norms into their heads), rotate each residual stream by an orthogonal Q that
@@ -629,8 +630,9 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
     """
     options = resolve_options(options, "normfold.convert", to=to, keep_affine=keep_affine, fold_final=fold_final,
                               allow_new_bias=allow_new_bias, pad=pad, variant_options=variant_options,
-                              untie=untie)
+                              untie=untie, rotate=rotate, rotate_seed=rotate_seed, rotate_online=rotate_online)
     options = options.replace(keep_affine=bool(options.keep_affine))
+    rotate, rotate_seed, rotate_online = options.rotate, options.rotate_seed, options.rotate_online
     to, fold_final = options.to, options.fold_final
     variant_options = options.target_options()
     say = progress or (lambda msg: None)

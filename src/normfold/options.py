@@ -3,7 +3,8 @@
 `normfold.convert`, `normfold.stream.stream_convert`, `normfold.train.prepare` and `normfold.train.export`
 take a `ConvertOptions` as `options=`, or its fields as keywords of the same names and meanings; a keyword
 given beside an object overrides that field. The command line spells them the same way (`--to`,
-`--keep-affine`, `--fold-final`, `--allow-new-bias`, `--pad`, `--option KEY=VALUE`)."""
+`--keep-affine`, `--fold-final`, `--allow-new-bias`, `--pad`, `--untie`, `--rotate`, `--rotate-seed`,
+`--rotate-online`, `--option KEY=VALUE`)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ class ConvertOptions:
     untie: give a head tied to an edited embedding table its own copy of the table (the plain
         `transformers` form, stock-reloadable, V×d more parameters). By default the tie is kept: the head
         becomes an `nn.TiedHead` reading the centred table plus its row means (loads with normfold.load).
+    rotate: "hadamard" or "orthogonal": after the Pre-RMSNorm conversion, rotate each residual stream by
+        an orthogonal Q that fixes the all-ones direction (`normfold.rotate`, docs/rotation.md); None: no rotation.
+    rotate_seed: the seed of a random rotation.
+    rotate_online: also an online Hadamard before every MLP down-projection (needs `rotate`).
     variant_options: options of the target itself (e.g. UnifiedNorm's M, warmup; `--option KEY=VALUE`).
     """
 
@@ -39,6 +44,9 @@ class ConvertOptions:
     allow_new_bias: bool = False
     pad: bool = False
     untie: bool = False
+    rotate: str | None = None
+    rotate_seed: int = 0
+    rotate_online: bool = False
     variant_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -93,6 +93,8 @@ def _options(options, to, keep_affine, fold_final, allow_new_bias, pad, untie) -
         raise StreamUnsupportedError("--pad applies to --to crmsnorm only")
     if options.untie and options.to != "rmsnorm":
         raise StreamUnsupportedError("--untie applies to --to rmsnorm only")
+    if options.rotate is not None or options.rotate_online:
+        raise StreamUnsupportedError("--rotate needs the in-memory conversion (--stream never, or normfold.convert)")
     return options
 
 

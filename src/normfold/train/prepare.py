@@ -108,9 +108,9 @@ def prepare(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
             keep_affine = not fold
     options = resolve_options(options, "train.prepare", to=to, keep_affine=keep_affine, fold_final=fold_final)
     to, fold_final = options.to, options.fold_final
-    if options.pad or options.allow_new_bias or options.variant_options:
-        raise UnsupportedConversionError("train.prepare takes to, keep_affine and fold_final; pad, allow_new_bias and "
-                                         "variant options have no training form")
+    if options.pad or options.allow_new_bias or options.variant_options or options.rotate or options.rotate_online:
+        raise UnsupportedConversionError("train.prepare takes to, keep_affine and fold_final; pad, allow_new_bias, "
+                                         "rotate and variant options have no training form")
     if to not in TARGETS:
         raise UnsupportedConversionError(f"prepare(to={to!r}): choose one of {', '.join(TARGETS)}")
     # the training default keeps γ/β in the norm for rmsnorm and folds them for crmsnorm (docs/python-api.md)
