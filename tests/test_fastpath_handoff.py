@@ -69,9 +69,17 @@ def _falcon(**kw):
     return transformers.FalconForCausalLM(cfg), _ids(127), lambda m: m.transformer
 
 
+def _deit():
+    cfg = transformers.DeiTConfig(hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=4,
+                                  intermediate_size=2 * D, image_size=32, patch_size=4, num_labels=5)
+    return transformers.DeiTForImageClassification(cfg), lambda: {"pixel_values": torch.randn(3, 3, 32, 32)}, \
+        lambda m: m.deit
+
+
 FAMILIES = {
     "gpt2": _gpt2,
     "vit": _vit,
+    "deit": _deit,
     "gptj": _gptj,
     "phi": _phi,
     "gpt_neox_parallel": _gpt_neox,
@@ -79,8 +87,8 @@ FAMILIES = {
     "falcon_new_arch": lambda: _falcon(new_decoder_architecture=True, parallel_attn=True, num_kv_heads=2,
                                        alibi=False),
 }
-DECODERS = [f for f in FAMILIES if f != "vit"]
-_FINAL = {"gpt2": "ln_f", "vit": "layernorm", "gptj": "ln_f", "phi": "final_layernorm",
+DECODERS = [f for f in FAMILIES if f not in ("vit", "deit")]
+_FINAL = {"gpt2": "ln_f", "vit": "layernorm", "deit": "layernorm", "gptj": "ln_f", "phi": "final_layernorm",
           "gpt_neox_parallel": "final_layer_norm", "falcon_parallel": "ln_f", "falcon_new_arch": "ln_f"}
 CASES = [(f, to) for f in FAMILIES for to in ("rmsnorm", "crmsnorm")]
 IDS = [f"{f}-{t}" for f, t in CASES]

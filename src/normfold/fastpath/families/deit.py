@@ -1,24 +1,13 @@
-"""DeiT (transformers 5's DeiTLayer): the attention output's add fused with layernorm_after."""
+"""DeiT (transformers 5's DeiTLayer, a copy of ViTLayer): ViT's fused forward — the attention output's add
+fused with layernorm_after, the MLP add handed off to the next layer's layernorm_before / the final
+layernorm (normfold.fastpath.handoff)."""
 
 from __future__ import annotations
 
-from ..blocks import FusedBlock, fusable, register
+from ..blocks import FusedBlock, register
+from ..handoff import Stack, register_stack
+from .vit import layer_forward
 
-
-def _forward(base):
-    def forward(self, hidden_states, attention_mask=None, **kwargs):
-        if not fusable(self.layernorm_after):
-            return base.forward(self, hidden_states, attention_mask, **kwargs)
-        residual = hidden_states
-        hidden_states = self.layernorm_before(hidden_states)
-        hidden_states, _ = self.attention(hidden_states, attention_mask, **kwargs)
-        hidden_states = self.dropout(hidden_states)
-        residual, hidden_states = self.layernorm_after(hidden_states, residual)  # + residual, then the norm
-        hidden_states = self.mlp(hidden_states)
-        hidden_states = self.dropout(hidden_states)
-        return hidden_states + residual
-    return forward
-
-
-register(FusedBlock("DeiTLayer", "transformers.models.deit.modeling_deit", ("layernorm_after",), _forward,
-                    ("self", "hidden_states", "attention_mask", "kwargs")))
+register(FusedBlock("DeiTLayer", "transformers.models.deit.modeling_deit", ("layernorm_after",), layer_forward,
+                    ("self", "hidden_states", "attention_mask", "kwargs"), hands_off=True, entry=("layernorm_before",)))
+register_stack(Stack("DeiTModel", "transformers.models.deit.modeling_deit", "layers", "layernorm"))

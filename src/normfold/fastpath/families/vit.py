@@ -8,7 +8,7 @@ from ..blocks import FusedBlock, fusable, register
 from ..handoff import Stack, register_stack
 
 
-def _forward(base):
+def layer_forward(base):
     def forward(self, hidden_states, attention_mask=None, **kwargs):
         if not fusable(self.layernorm_after):
             return base.forward(self, hidden_states, attention_mask, **kwargs)
@@ -23,6 +23,6 @@ def _forward(base):
     return forward
 
 
-register(FusedBlock("ViTLayer", "transformers.models.vit.modeling_vit", ("layernorm_after",), _forward,
+register(FusedBlock("ViTLayer", "transformers.models.vit.modeling_vit", ("layernorm_after",), layer_forward,
                     ("self", "hidden_states", "attention_mask", "kwargs"), hands_off=True, entry=("layernorm_before",)))
 register_stack(Stack("ViTModel", "transformers.models.vit.modeling_vit", "layers", "layernorm"))
