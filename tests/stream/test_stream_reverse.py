@@ -123,3 +123,33 @@ def test_tied_head_with_a_folded_scale_is_refused(tmp_path):
     (tmp_path / "st").mkdir()
     with pytest.raises(StreamUnsupportedError, match="folded norm scale"):
         stream_convert(rms, tmp_path / "st", to="layernorm")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_streamed_reverse_keeps_16bit(tmp_path, dtype):
+    example = get_adapter("gpt2").examples[0]
+    src = make_checkpoint(example, "GPT2LMHeadModel", tmp_path / "src", dtype=dtype, shard="20KB")
+    rms = _forward(tmp_path, src, False)
+    _reverse_both(tmp_path, rms)
+    got = tensors_bytes(tmp_path / "st")
+    assert got == tensors_bytes(tmp_path / "mem")
+    assert {d for d, _, _ in got.values()} == {"BF16" if dtype == torch.bfloat16 else "F16"}
+
+
+def test_restored_table_in_row_chunks_and_sharded_output(tmp_path, monkeypatch):
+    """Small row chunks (many per table) give the whole-table bytes; a sharded stock-reloadable Pre-RMS source
+    keeps its sharding."""
+    from normfold.stream import reverse
+
+    monkeypatch.setattr(reverse, "CHUNK_BYTES", 8 * 64 * 3)
+    src = _source(tmp_path, "gpt2", "GPT2LMHeadModel")
+    rms = _forward(tmp_path, src, False)
+    _reverse_both(tmp_path, rms)
+    assert tensors_bytes(tmp_path / "st") == tensors_bytes(tmp_path / "mem")
+
+    src2 = _source(tmp_path / "b", "vit", None)
+    rms2 = _forward(tmp_path / "b", src2, True)
+    assert len(weight_files(rms2)) > 1
+    _reverse_both(tmp_path / "b", rms2)
+    assert len(weight_files(tmp_path / "b" / "st")) > 1
+    assert tensors_bytes(tmp_path / "b" / "st") == tensors_bytes(tmp_path / "b" / "mem")
