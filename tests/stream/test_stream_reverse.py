@@ -153,3 +153,25 @@ def test_restored_table_in_row_chunks_and_sharded_output(tmp_path, monkeypatch):
     _reverse_both(tmp_path / "b", rms2)
     assert len(weight_files(tmp_path / "b" / "st")) > 1
     assert tensors_bytes(tmp_path / "b" / "st") == tensors_bytes(tmp_path / "b" / "mem")
+
+
+@pytest.mark.parametrize("kw", [{"keep_affine": True}, {"untie": True}, {"fold_final": True},
+                                {"fold_final": True, "allow_new_bias": True}],
+                         ids=lambda k: "-".join(k))
+@pytest.mark.parametrize("family,head", FAMILIES + [("bloom", "BloomForCausalLM"), ("gpt_neox", "GPTNeoXForCausalLM")])
+def test_streamed_reverse_after_forward_options(tmp_path, family, head, kw):
+    """Sources converted with each forward option (kept affines, untied heads, folded final norms, added head
+    biases): the streamed reverse gives the in-memory bytes, or refuses (a tied head holding a folded γ)."""
+    src = _source(tmp_path, family, head)
+    rms = _forward(tmp_path, src, False, **kw)
+    structure = normfold.io.read_report(rms).structure
+    if any(t.get("scale") or t["head"] in structure.added_bias for t in structure.tied_heads):
+        (tmp_path / "st").mkdir()
+        with pytest.raises(StreamUnsupportedError, match="in memory"):
+            stream_convert(rms, tmp_path / "st", to="layernorm")
+        return
+    mem_report, report = _reverse_both(tmp_path, rms)
+    assert tensors_bytes(tmp_path / "mem") == tensors_bytes(tmp_path / "st")
+    assert (tmp_path / "mem" / "config.json").read_text() == (tmp_path / "st" / "config.json").read_text()
+    assert mem_report.to_dict()["structure"] == report.to_dict()["structure"]
+    assert mem_report.stock_reloadable == report.stock_reloadable
