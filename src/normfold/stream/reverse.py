@@ -91,7 +91,7 @@ class _Tables:
         return out
 
 
-def _meta_converted(path: Path, report, config, cls, kwargs, dtype) -> nn.Module:
+def _meta_converted(report, config, cls, kwargs, dtype) -> nn.Module:
     from ..io import apply_structure
 
     with torch.device("meta"), io._default_dtype(dtype):
@@ -138,10 +138,8 @@ def stream_reverse(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     source = _open(path, stock)
     dtype = checkpoint_dtype(source)
 
-    model = _meta_converted(path, src_report, config, cls, kwargs, dtype)
+    model = _meta_converted(src_report, config, cls, kwargs, dtype)
     adapter = find_adapter(model)
-    if any(type(m) is not RMSNorm and type(m).__name__ in ("StreamCRMSNorm",) for m in model.modules()):
-        raise StreamUnsupportedError("the checkpoint holds Pre-CRMSNorm norms; convert it in memory")
     # every tensor of the converted model: its stored name (tied aliases: whichever is stored)
     state = model.state_dict(keep_vars=True)
     stored: dict[int, str] = {}
