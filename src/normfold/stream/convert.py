@@ -106,6 +106,12 @@ def prepare(source_dir: str | os.PathLike, *, to: str | None = None, options: Co
     its plan, on a meta model: no weights read but norm biases later). Raises StreamUnsupportedError (or
     another NormfoldError) when this source or option cannot stream; the CLI's `--stream auto` then
     converts in memory."""
+    from .reverse import is_normfold_checkpoint
+
+    if is_normfold_checkpoint(source_dir):
+        raise StreamUnsupportedError(f"{source_dir} is a normfold checkpoint (normfold.json): its conversions are "
+                                     "reverse ones; stream_convert(..., to='layernorm') streams a Pre-RMSNorm one "
+                                     "back (normfold.stream.reverse), the others convert in memory (--stream never)")
     options = _options(options, to, keep_affine, fold_final, allow_new_bias, pad, untie)
     checkpoint.ModelDir(source_dir).check_all()  # config, weights, tokenizer files: nothing from outside
     source = open_source(source_dir)
@@ -137,6 +143,18 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         raise NormfoldError(f"{out} must be an existing empty directory")
     t0 = time.perf_counter()
     if prepared is None:
+        from .reverse import is_normfold_checkpoint, stream_reverse
+
+        target = to if to is not None else (options.to if options is not None else None)
+        if is_normfold_checkpoint(source_dir):
+            extra = [k for k, v in dict(keep_affine=keep_affine, fold_final=fold_final, allow_new_bias=allow_new_bias,
+                                        pad=pad, untie=untie).items() if v]
+            if target != "layernorm" or extra or (options is not None and options.variant_options):
+                raise StreamUnsupportedError(
+                    f"{source_dir} is a normfold checkpoint: streaming converts it --to layernorm only, without "
+                    f"options (asked: --to {target}{''.join(' --' + k for k in extra)}); convert it in memory "
+                    "(--stream never, or normfold.load + normfold.convert)")
+            return stream_reverse(source_dir, out, to=target, progress=progress)
         prepared = prepare(source_dir, to=to, options=options, keep_affine=keep_affine, fold_final=fold_final,
                            allow_new_bias=allow_new_bias, pad=pad, untie=untie)
     source, dtype, original, names = prepared.source, prepared.dtype, prepared.original, prepared.names

@@ -1,0 +1,246 @@
+"""Streamed reverse conversion (issue 26 item 3): a Pre-RMSNorm checkpoint written by normfold (normfold.json)
+back to the stock Pre-LN model, tensor by tensor, with the same bytes as `normfold.load` +
+`normfold.convert(model, to="layernorm")` + `normfold.save`.
+
+Why it streams: `compress.reverse.to_layernorm` changes no tensor but two kinds, each computable on its own:
+
+- every RMSNorm becomes a LayerNorm holding the same γ / β (a byte copy), or ones / zeros where the affine
+  was folded away (a fill);
+- a head kept tied to the centred table (nn.TiedHead, no folded γ, no added bias) is tied again: the table
+  becomes E' + μ1ᵀ, computed in float64 and rounded once (elementwise, so row chunks give the same bytes).
+
+Every other tensor is copied file to file; Recenters have no tensors. The structure (output names, dtypes,
+shapes, which tensor is which) comes from `to_layernorm` itself run on the converted model built on the meta
+device, so the names and their order are those of the in-memory result.
+
+Not streamed (StreamUnsupportedError; convert in memory): a Pre-CRMSNorm source (its d−1 tensors are
+re-expanded by `decompress`, then a second step), `--to rmsnorm` from Pre-CRMSNorm, a tied head holding a
+folded γ or an added bias (untied as (E' + μ1ᵀ)·diag γ), a rotated model.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .. import checkpoint, io
+from ..adapters import find_adapter
+from ..adapters.base import get
+from ..compress.reverse import to_layernorm
+from ..errors import NonFiniteWeightsError, NormfoldError
+from ..modelinfo import working_dtype
+from ..nn import RMSNorm, TiedHead
+from ..report import ConversionReport, Structure
+from . import safetensors_io as st
+from .compute import CHUNK_BYTES, row_chunks
+from .plan import OutTensor
+from .source import Source, StreamUnsupportedError, checkpoint_dtype
+from .writer import write_aux, write_checkpoint
+
+REVERSE_TARGETS = ("layernorm",)
+
+
+def is_normfold_checkpoint(source_dir) -> bool:
+    return (Path(source_dir) / io.REPORT_FILE).is_file()
+
+
+def _open(path: Path, stock: bool) -> Source:
+    directory = checkpoint.ModelDir(path)
+    if stock:
+        found = checkpoint.weight_files(directory, io.STOCK_INDEX, io.STOCK_WEIGHTS)
+    else:
+        found = checkpoint.weight_files(directory, io.NORMFOLD_INDEX, io.NORMFOLD_WEIGHTS)
+    if found is None:
+        raise StreamUnsupportedError(f"{path} has no safetensors weights; convert it in memory (--stream never)")
+    shards, sharded = found
+    tensors: dict[str, st.TensorInfo] = {}
+    for shard in shards:
+        infos, _ = st.read_header(shard)
+        tensors.update(infos)
+    return Source(path, shards, tensors, sharded)
+
+
+class _Tables:
+    """The `derived` outputs of a streamed reverse: each restored tied table E' + μ1ᵀ (float64, rounded once),
+    in row chunks (elementwise: the bytes of one whole-table pass). Duck-types the forward Computer for
+    `writer.write_checkpoint` (no components)."""
+
+    def __init__(self, source: Source, tables: dict[str, tuple[str, str]]):
+        self.source = source
+        self.head_means = tables  # output name -> (table source name, mean source name)
+
+    def _read(self, name: str) -> torch.Tensor:
+        t = st.read_tensor(self.source.tensors[name])
+        if t.is_floating_point() and not st.all_finite(t):
+            raise NonFiniteWeightsError(f"tensor {name} of {self.source.path} has NaN/inf values; no conversion "
+                                        "of it can be exact. Fix or re-download the checkpoint.")
+        return t
+
+    def derived(self, name: str) -> torch.Tensor:
+        table_name, mean_name = self.head_means[name]
+        table, mean = self._read(table_name), self._read(mean_name)
+        out = torch.empty_like(table)
+        for a, b in row_chunks(table.shape[0], CHUNK_BYTES // 8 // max(1, table.shape[1])):
+            full = table[a:b].double() + mean[a:b].double()[:, None]
+            out[a:b] = full.to(table.dtype)
+        return out
+
+
+def _meta_converted(report, config, cls, kwargs, dtype) -> nn.Module:
+    from ..io import apply_structure
+
+    with torch.device("meta"), io._default_dtype(dtype):
+        model = cls(config, **kwargs)
+        model = model.to(dtype)
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+        apply_structure(model, report.structure)
+    model.config.dtype = dtype
+    return model.eval()
+
+
+def stream_reverse(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *, to: str = "layernorm",
+                   progress=None) -> ConversionReport:
+    """A Pre-RMSNorm checkpoint written by normfold, streamed back to the stock Pre-LN model in `out_dir` (an
+    existing empty directory): the same tensors as the in-memory reverse conversion. Verification is not run
+    here (the report says so)."""
+    say = progress or (lambda msg: None)
+    t0 = time.perf_counter()
+    path = Path(source_dir)
+    out = Path(out_dir)
+    if not out.is_dir() or any(out.iterdir()):
+        raise NormfoldError(f"{out} must be an existing empty directory")
+    if to not in REVERSE_TARGETS:
+        raise StreamUnsupportedError(f"streaming converts a normfold checkpoint --to layernorm only; --to {to} from "
+                                     "it needs the in-memory conversion (--stream never, or normfold.convert)")
+    if not is_normfold_checkpoint(path):
+        raise StreamUnsupportedError(f"{path} has no {io.REPORT_FILE}: --to layernorm converts a normfold "
+                                     "checkpoint back")
+    src_report, config, cls, stock, kwargs = io.inspect_converted_kwargs(path)
+    structure = src_report.structure
+    if src_report.variant != "rmsnorm" or structure.compression:
+        raise StreamUnsupportedError(
+            f"streaming converts a Pre-RMSNorm checkpoint back to LayerNorm; this one is {src_report.variant} "
+            "(its d-1 tensors are re-expanded by compress.reverse.decompress first): convert it in memory "
+            "(--stream never, or normfold.load + normfold.convert)")
+    if structure.rotation:
+        raise StreamUnsupportedError("a rotated checkpoint is converted back in memory (--stream never)")
+    for tie in structure.tied_heads:
+        if tie.get("scale") or tie["head"] in structure.added_bias:
+            raise StreamUnsupportedError(
+                f"the tied head {tie['head']} holds a folded norm scale or an added bias: it is untied as "
+                "(E' + mean)·diag(scale), which streaming does not compute; convert it in memory (--stream never)")
+    source = _open(path, stock)
+    dtype = checkpoint_dtype(source)
+
+    model = _meta_converted(src_report, config, cls, kwargs, dtype)
+    adapter = find_adapter(model)
+    # every tensor of the converted model: its stored name (tied aliases: whichever is stored)
+    state = model.state_dict(keep_vars=True)
+    stored: dict[int, str] = {}
+    for name, t in state.items():
+        if name in source.tensors:
+            stored.setdefault(id(t), name)
+    norm_src: dict[str, str] = {}  # LayerNorm output name -> the RMSNorm tensor it copies
+    for name, m in model.named_modules():
+        if type(m) is RMSNorm:
+            for leaf in ("weight", "bias"):
+                p = getattr(m, leaf, None)
+                if p is not None:
+                    norm_src[f"{name}.{leaf}"] = stored[id(p)]
+    restored: dict[int, str] = {}  # table parameter id -> the head's mean (stored name)
+    for name, m in model.named_modules():
+        if isinstance(m, TiedHead):
+            restored[id(m._table.weight)] = stored[id(m.mean)]
+
+    ln = model  # to_layernorm in place on the meta model: the structure of the in-memory result
+    ln.normfold_report = copy.deepcopy(src_report)
+    with torch.device("meta"):  # the new LayerNorms on meta too (their values: copies and fills, below)
+        to_layernorm(ln)
+    lnstate = ln.state_dict(keep_vars=True)
+    outputs: list[OutTensor] = []
+    names: dict[str, str] = {}
+    tables: dict[str, tuple[str, str]] = {}
+    seen: set[int] = set()
+    for name, t in lnstate.items():
+        if id(t) in seen and t.numel():
+            continue
+        seen.add(id(t))
+        if name in norm_src:
+            outputs.append(OutTensor(name, t.dtype, tuple(t.shape)))
+            names[name] = norm_src[name]
+        elif id(t) in restored:
+            outputs.append(OutTensor(name, t.dtype, tuple(t.shape)))
+            tables[name] = (stored[id(t)], restored[id(t)])
+        elif id(t) in stored:
+            outputs.append(OutTensor(name, t.dtype, tuple(t.shape)))
+            names[name] = stored[id(t)]
+        elif isinstance(get(ln, name.rpartition(".")[0]), nn.LayerNorm):
+            # a LayerNorm affine the RMSNorm did not hold: ones / zeros, as to_layernorm fills it
+            outputs.append(OutTensor(name, t.dtype, tuple(t.shape), 1.0 if name.endswith(".weight") else 0.0))
+        else:
+            raise NormfoldError(f"internal: {name} of the Pre-LN model has no tensor in {path}")
+    for o in outputs:
+        src = names.get(o.name) or tables.get(o.name, (None,))[0]
+        if src is not None:
+            info = source.tensors[src]
+            if st.TORCH_DTYPES.get(info.dtype) != o.dtype or tuple(info.shape) != o.shape:
+                raise StreamUnsupportedError(f"{src} is stored as {info.dtype}{list(info.shape)} but the model "
+                                             f"holds {o.name} as {o.dtype}{list(o.shape)}; convert it in memory")
+
+    report = ConversionReport(variant=to, adapter=adapter.name, architecture=type(ln).__name__,
+                              dtype=str(working_dtype(ln)).replace("torch.", ""),
+                              layernorms_total=sum(isinstance(m, nn.LayerNorm) for m in ln.modules()),
+                              structure=Structure(untied=list(structure.untied)))
+    report.stock_reloadable = not structure.added_bias
+    report.centered_outputs = list(src_report.centered_outputs)
+    report.notes.append("reverse conversion (paper 001 App. C) from a rmsnorm model: layernorm")
+    report.notes.append("converted shard by shard from the safetensors files (normfold.stream)")
+    if src_report.source:
+        report.source = dict(src_report.source)
+    say(f"{type(ln).__name__}, {dtype}, {len(source.shards)} shard(s): rmsnorm -> layernorm")
+
+    files = _assign_files(source, report, outputs, names, tables)
+    largest = max(p.stat().st_size for p in source.shards)
+    with st.reuse_freed_memory(budget=largest):
+        written = write_checkpoint(out, files, outputs, {}, [], _Tables(source, tables), names, source, say)
+    write_aux(out, ln, source.path, report, written)
+    report.weight_files = written["digests"]
+    report.seconds["convert"] = round(time.perf_counter() - t0, 3)
+    from .convert import pending_verification
+
+    report.verification = pending_verification(report.dtype)
+    (out / io.REPORT_FILE).write_text(report.to_json() + "\n")
+    return report
+
+
+def _assign_files(source: Source, report, outputs, names, tables) -> dict[str, list[OutTensor]]:
+    """One file, or (a sharded stock-reloadable source) the source's sharding: each tensor beside the tensor it
+    comes from, a fill beside its module's other tensors (else the first shard)."""
+    weights = io.STOCK_WEIGHTS if report.stock_reloadable else io.NORMFOLD_WEIGHTS
+    if not (source.sharded and report.stock_reloadable):
+        return {weights: list(outputs)}
+    index = {p: i for i, p in enumerate(source.shards)}
+
+    def shard(name: str) -> int | None:
+        src = names.get(name) or tables.get(name, (None,))[0]
+        return None if src is None else index[source.tensors[src].file]
+
+    by_module = {}
+    for o in outputs:
+        k = shard(o.name)
+        if k is not None:
+            by_module.setdefault(o.name.rpartition(".")[0], k)
+    by_shard: dict[int, list[OutTensor]] = {}
+    for o in outputs:
+        k = shard(o.name)
+        if k is None:
+            k = by_module.get(o.name.rpartition(".")[0], 0)
+        by_shard.setdefault(k, []).append(o)
+    n = len(by_shard)
+    return {f"model-{j + 1:05d}-of-{n:05d}.safetensors": by_shard[k] for j, k in enumerate(sorted(by_shard))}

@@ -1,0 +1,177 @@
+"""Streamed reverse conversion (issue 26 item 3): a Pre-RMSNorm checkpoint written by normfold, streamed back
+`--to layernorm` (normfold.stream.reverse), holds the same tensors as `normfold.load` + `normfold.convert(model,
+to="layernorm")` + `normfold.save`, reloads in stock transformers and computes the original model's outputs;
+the directions that do not stream are refused with StreamUnsupportedError."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import normfold
+from normfold.adapters import get_adapter
+from normfold.stream import stream_convert
+from normfold.stream.convert import prepare
+from normfold.stream.source import StreamUnsupportedError
+
+from _compare import header_and_data, make_checkpoint, tensors_bytes, weight_files
+
+FAMILIES = [("gpt2", "GPT2LMHeadModel"), ("opt", "OPTForCausalLM"), ("vit", None)]
+
+
+def _source(tmp_path, family, head):
+    example = get_adapter(family).examples[0]
+    return make_checkpoint(example, head or example.heads[0], tmp_path / "src", shard="20KB")
+
+
+def _forward(tmp_path, src, streamed: bool, **kw):
+    out = tmp_path / "rms"
+    if streamed:
+        out.mkdir()
+        stream_convert(src, out, to="rmsnorm", **kw)
+    else:
+        model, _ = normfold.io.load_source(src)
+        conv, report = normfold.convert(model, to="rmsnorm", verify=False, **kw)
+        normfold.save(conv, report, out, source_dir=src)
+    return out
+
+
+def _reverse_both(tmp_path, rms):
+    model = normfold.load(rms)
+    back, mem_report = normfold.convert(model, to="layernorm", verify=False)
+    normfold.save(back, mem_report, tmp_path / "mem", source_dir=rms)
+    (tmp_path / "st").mkdir()
+    report = stream_convert(rms, tmp_path / "st", to="layernorm")
+    return mem_report, report
+
+
+def _outputs(model, inputs):
+    with torch.no_grad():
+        out = model(**inputs)
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+
+@pytest.mark.parametrize("streamed_forward", [False, True], ids=["memory-fwd", "stream-fwd"])
+@pytest.mark.parametrize("family,head", FAMILIES)
+def test_streamed_reverse_equals_in_memory_and_reloads_stock(tmp_path, family, head, streamed_forward):
+    import transformers
+
+    src = _source(tmp_path, family, head)
+    rms = _forward(tmp_path, src, streamed_forward)
+    mem_report, report = _reverse_both(tmp_path, rms)
+    mem, st = tmp_path / "mem", tmp_path / "st"
+
+    # the same tensors, bit for bit (names, dtypes, shapes, bytes), and the same config
+    assert tensors_bytes(mem) == tensors_bytes(st)
+    if len(weight_files(st)) == 1:
+        (hx, dx), (hy, dy) = header_and_data(weight_files(mem)[0]), header_and_data(weight_files(st)[0])
+        assert hx == hy and dx == dy
+    assert (mem / "config.json").read_text() == (st / "config.json").read_text()
+    a, b = mem_report.to_dict(), report.to_dict()
+    for key in ("variant", "structure", "stock_reloadable", "dtype", "centered_outputs", "adapter"):
+        assert a[key] == b[key], key
+    assert report.stock_reloadable and report.verification["performed"] is False
+
+    # stock transformers reloads it and computes the original model's outputs
+    original, _ = normfold.io.load_source(src)
+    cls = getattr(transformers, type(original).__name__)
+    reloaded = cls.from_pretrained(st).eval()
+    assert not any(type(m).__module__.startswith("normfold") for m in reloaded.modules())
+    inputs = get_adapter(family).example_inputs(original, torch.Generator().manual_seed(0))
+    ref, got = _outputs(original.eval(), inputs), _outputs(reloaded, inputs)
+    assert got.dtype == torch.float32
+    assert (got - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+
+
+def test_streamed_reverse_restores_the_stock_tie(tmp_path):
+    src = _source(tmp_path, "gpt2", "GPT2LMHeadModel")
+    rms = _forward(tmp_path, src, False)
+    assert normfold.io.read_report(rms).structure.tied_heads  # a head kept tied to the centred table
+    _reverse_both(tmp_path, rms)
+    names = set(tensors_bytes(tmp_path / "st"))
+    assert "lm_head.mean" not in names and "lm_head.weight" not in names and "transformer.wte.weight" in names
+
+
+def test_reverse_directions_that_do_not_stream_are_refused(tmp_path):
+    src = _source(tmp_path, "gpt2", "GPT2LMHeadModel")
+    model, _ = normfold.io.load_source(src)
+    conv, report = normfold.convert(model, to="crmsnorm", verify=False)
+    normfold.save(conv, report, tmp_path / "crms", source_dir=src)
+    for to in ("layernorm", "rmsnorm"):
+        out = tmp_path / f"out-{to}"
+        out.mkdir()
+        with pytest.raises(StreamUnsupportedError, match="in memory"):
+            stream_convert(tmp_path / "crms", out, to=to)
+        assert not any(out.iterdir())
+    rms = _forward(tmp_path, src, False)
+    for kw in ({"to": "crmsnorm"}, {"to": "rmsnorm"}, {"to": "layernorm", "fold_final": True}):
+        out = tmp_path / ("o" + "-".join(map(str, kw.values())))
+        out.mkdir()
+        with pytest.raises(StreamUnsupportedError, match="in memory"):
+            stream_convert(rms, out, **kw)
+    # the CLI's --stream auto asks prepare: a normfold checkpoint converts in memory there
+    with pytest.raises(StreamUnsupportedError, match="normfold checkpoint"):
+        prepare(rms, to="layernorm")
+
+
+def test_tied_head_with_a_folded_scale_is_refused(tmp_path):
+    src = _source(tmp_path, "gpt2", "GPT2LMHeadModel")
+    rms = _forward(tmp_path, src, False, fold_final=True, allow_new_bias=True)
+    ties = normfold.io.read_report(rms).structure.tied_heads
+    if not any(t.get("scale") for t in ties):
+        pytest.skip("this conversion kept no tied head with a folded scale")
+    (tmp_path / "st").mkdir()
+    with pytest.raises(StreamUnsupportedError, match="folded norm scale"):
+        stream_convert(rms, tmp_path / "st", to="layernorm")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_streamed_reverse_keeps_16bit(tmp_path, dtype):
+    example = get_adapter("gpt2").examples[0]
+    src = make_checkpoint(example, "GPT2LMHeadModel", tmp_path / "src", dtype=dtype, shard="20KB")
+    rms = _forward(tmp_path, src, False)
+    _reverse_both(tmp_path, rms)
+    got = tensors_bytes(tmp_path / "st")
+    assert got == tensors_bytes(tmp_path / "mem")
+    assert {d for d, _, _ in got.values()} == {"BF16" if dtype == torch.bfloat16 else "F16"}
+
+
+def test_restored_table_in_row_chunks_and_sharded_output(tmp_path, monkeypatch):
+    """Small row chunks (many per table) give the whole-table bytes; a sharded stock-reloadable Pre-RMS source
+    keeps its sharding."""
+    from normfold.stream import reverse
+
+    monkeypatch.setattr(reverse, "CHUNK_BYTES", 8 * 64 * 3)
+    src = _source(tmp_path, "gpt2", "GPT2LMHeadModel")
+    rms = _forward(tmp_path, src, False)
+    _reverse_both(tmp_path, rms)
+    assert tensors_bytes(tmp_path / "st") == tensors_bytes(tmp_path / "mem")
+
+    src2 = _source(tmp_path / "b", "vit", None)
+    rms2 = _forward(tmp_path / "b", src2, True)
+    assert len(weight_files(rms2)) > 1
+    _reverse_both(tmp_path / "b", rms2)
+    assert len(weight_files(tmp_path / "b" / "st")) > 1
+    assert tensors_bytes(tmp_path / "b" / "st") == tensors_bytes(tmp_path / "b" / "mem")
+
+
+@pytest.mark.parametrize("kw", [{"keep_affine": True}, {"untie": True}, {"fold_final": True},
+                                {"fold_final": True, "allow_new_bias": True}],
+                         ids=lambda k: "-".join(k))
+@pytest.mark.parametrize("family,head", FAMILIES + [("bloom", "BloomForCausalLM"), ("gpt_neox", "GPTNeoXForCausalLM")])
+def test_streamed_reverse_after_forward_options(tmp_path, family, head, kw):
+    """Sources converted with each forward option (kept affines, untied heads, folded final norms, added head
+    biases): the streamed reverse gives the in-memory bytes, or refuses (a tied head holding a folded γ)."""
+    src = _source(tmp_path, family, head)
+    rms = _forward(tmp_path, src, False, **kw)
+    structure = normfold.io.read_report(rms).structure
+    if any(t.get("scale") or t["head"] in structure.added_bias for t in structure.tied_heads):
+        (tmp_path / "st").mkdir()
+        with pytest.raises(StreamUnsupportedError, match="in memory"):
+            stream_convert(rms, tmp_path / "st", to="layernorm")
+        return
+    mem_report, report = _reverse_both(tmp_path, rms)
+    assert tensors_bytes(tmp_path / "mem") == tensors_bytes(tmp_path / "st")
+    assert (tmp_path / "mem" / "config.json").read_text() == (tmp_path / "st" / "config.json").read_text()
+    assert mem_report.to_dict()["structure"] == report.to_dict()["structure"]
+    assert mem_report.stock_reloadable == report.stock_reloadable
