@@ -52,8 +52,8 @@ from ..options import ConvertOptions, resolve as resolve_options
 from ..report import ConversionReport
 from . import safetensors_io as st
 from .compute import CHUNK_BYTES, Computer, row_chunks  # noqa: F401 (re-exported)
-from .plan import (assign_files, beta_zero_from, components, heads_unchanged, heads_unchanged_from, norm_betas,
-                   output_tensors, owners, plan_edits)
+from .plan import (PENDING, assign_files, beta_zero_from, components, heads_unchanged,  # noqa: F401
+                   heads_unchanged_from, norm_betas, output_tensors, owners, pending_verification, plan_edits)
 from .source import (INDEX, Source, StreamUnsupportedError, checkpoint_dtype, meta_model, open_source,  # noqa: F401
                      source_names, weight_files)
 from .writer import write_aux, write_checkpoint
@@ -61,8 +61,6 @@ from .writer import write_aux, write_checkpoint
 
 
 Progress = Callable[[str], None]
-
-PENDING = "verification: pending block verifier"
 
 STREAMED_TARGETS = ("rmsnorm", "crmsnorm")
 
@@ -205,6 +203,3 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
 
 
 
-def pending_verification(dtype: str) -> dict:
-    return {"performed": False, "passed": None, "dtype": dtype, "max_abs_error": None, "max_rel_error": None,
-            "top1_agreement": None, "fp64": None, "reason": PENDING}

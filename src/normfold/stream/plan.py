@@ -278,3 +278,12 @@ def assign_files(source: Source, report, outputs, owner, comps, names) -> dict[s
         by_shard.setdefault(k, []).append(o)
     n = len(by_shard)
     return {f"model-{j + 1:05d}-of-{n:05d}.safetensors": by_shard[k] for j, k in enumerate(sorted(by_shard))}
+
+
+PENDING = "verification: pending block verifier"
+
+
+def pending_verification(dtype: str) -> dict:
+    """The report's verification before the block-wise verifier has run on a streamed output."""
+    return {"performed": False, "passed": None, "dtype": dtype, "max_abs_error": None, "max_rel_error": None,
+            "top1_agreement": None, "fp64": None, "reason": PENDING}

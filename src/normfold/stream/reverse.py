@@ -38,7 +38,7 @@ from ..nn import RMSNorm, TiedHead
 from ..report import ConversionReport, Structure
 from . import safetensors_io as st
 from .compute import CHUNK_BYTES, row_chunks
-from .plan import OutTensor
+from .plan import OutTensor, pending_verification
 from .source import Source, StreamUnsupportedError, checkpoint_dtype
 from .writer import write_aux, write_checkpoint
 
@@ -212,7 +212,6 @@ def stream_reverse(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     write_aux(out, ln, source.path, report, written)
     report.weight_files = written["digests"]
     report.seconds["convert"] = round(time.perf_counter() - t0, 3)
-    from .convert import pending_verification
 
     report.verification = pending_verification(report.dtype)
     (out / io.REPORT_FILE).write_text(report.to_json() + "\n")
