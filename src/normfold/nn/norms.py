@@ -17,6 +17,15 @@ from ..ops.registry import jit_tracing as _jit_tracing
 _LN_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
 
 
+def _stashed(norm: nn.Module, x: Tensor) -> Tensor | None:
+    """norm(x) if normfold.fastpath.handoff left it for exactly this x (the previous block's fused add),
+    else None. The dict lookup comes first: most norms have no stash, and is_compiling costs more."""
+    stash = norm.__dict__.get("_normfold_handoff")
+    if stash is None or stash.ref is None or torch.compiler.is_compiling():
+        return None
+    return stash.take(norm, x)
+
+
 def _no_grad_needed(x: Tensor, w, b) -> bool:
     return not torch.is_grad_enabled() or not (x.requires_grad or (w is not None and w.requires_grad)
                                                or (b is not None and b.requires_grad))
@@ -82,12 +91,9 @@ class RMSNorm(_AffineNorm):
         s = x + residual (what `normfold.fastpath`'s fused blocks call; hooks on the module see it)."""
         if residual is not None:
             return self._add_forward(x, residual)
-        # normfold.fastpath.handoff: the previous block's fused add may have left norm(x) here
-        stash = None if torch.compiler.is_compiling() else self.__dict__.get("_normfold_handoff")
-        if stash is not None and stash.ref is not None:
-            y = stash.take(self, x)
-            if y is not None:
-                return y
+        y = _stashed(self, x)
+        if y is not None:
+            return y
         w, b = self._affine()
         if _cpu_fast_path[0] and x.is_cpu and _no_grad_needed(x, w, b) and not torch.compiler.is_compiling() \
                 and not _jit_tracing():
@@ -144,11 +150,9 @@ class CRMSNorm(_AffineNorm):
         if residual is not None:
             w, b = self._affine()
             return ops.add_crms_norm(x, residual, w, b, self.eps)
-        stash = None if torch.compiler.is_compiling() else self.__dict__.get("_normfold_handoff")  # RMSNorm's
-        if stash is not None and stash.ref is not None:
-            y = stash.take(self, x)
-            if y is not None:
-                return y
+        y = _stashed(self, x)
+        if y is not None:
+            return y
         w, b = self._affine()
         if _cpu_fast_path[0] and x.is_cpu and _no_grad_needed(x, w, b) and not torch.compiler.is_compiling() \
                 and not _jit_tracing():

@@ -42,7 +42,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .. import checkpoint, io
+from .. import checkpoint
 from ..adapters import find_adapter
 from ..convert import VARIANTS, centered_outputs, edited_params, kept_norms, layernorm_names
 from ..convert import untie as untie_params
@@ -50,13 +50,12 @@ from ..errors import NormfoldError
 from ..modelinfo import working_dtype
 from ..options import ConvertOptions, resolve as resolve_options
 from ..report import ConversionReport
-from . import safetensors_io as st
 from .compute import CHUNK_BYTES, Computer, row_chunks  # noqa: F401 (re-exported)
 from .plan import (PENDING, assign_files, beta_zero_from, components, heads_unchanged,  # noqa: F401
-                   heads_unchanged_from, norm_betas, output_tensors, owners, pending_verification, plan_edits)
+                   heads_unchanged_from, norm_betas, output_tensors, owners, plan_edits)
 from .source import (INDEX, Source, StreamUnsupportedError, checkpoint_dtype, meta_model, open_source,  # noqa: F401
                      source_names, weight_files)
-from .writer import write_aux, write_checkpoint
+from .writer import write_streamed
 
 
 
@@ -190,16 +189,7 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     computer = Computer(values_model, plan, options, source, names, compression)
     owner = {k: v for k, v in owner.items() if k not in computer.head_means}  # computed from the source table
     files = assign_files(source, report, outputs, owner, comps, names)
-    largest = max(p.stat().st_size for p in source.shards)
-    with st.reuse_freed_memory(budget=largest):
-        written = write_checkpoint(out, files, outputs, owner, comps, computer, names, source, say)
-
-    write_aux(out, structure_model, source.path, report, written)
-    report.weight_files = written["digests"]
-    report.seconds["convert"] = round(time.perf_counter() - t0, 3)
-    report.verification = pending_verification(report.dtype)
-    (out / io.REPORT_FILE).write_text(report.to_json() + "\n")
-    return report
+    return write_streamed(out, files, outputs, owner, comps, computer, names, source, say, structure_model, report, t0)
 
 
 

@@ -38,9 +38,9 @@ from ..nn import RMSNorm, TiedHead
 from ..report import ConversionReport, Structure
 from . import safetensors_io as st
 from .compute import CHUNK_BYTES, row_chunks
-from .plan import OutTensor, pending_verification
+from .plan import OutTensor
 from .source import Source, StreamUnsupportedError, checkpoint_dtype
-from .writer import write_aux, write_checkpoint
+from .writer import write_streamed
 
 REVERSE_TARGETS = ("layernorm",)
 
@@ -206,16 +206,7 @@ def stream_reverse(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     say(f"{type(ln).__name__}, {dtype}, {len(source.shards)} shard(s): rmsnorm -> layernorm")
 
     files = _assign_files(source, report, outputs, names, tables)
-    largest = max(p.stat().st_size for p in source.shards)
-    with st.reuse_freed_memory(budget=largest):
-        written = write_checkpoint(out, files, outputs, {}, [], _Tables(source, tables), names, source, say)
-    write_aux(out, ln, source.path, report, written)
-    report.weight_files = written["digests"]
-    report.seconds["convert"] = round(time.perf_counter() - t0, 3)
-
-    report.verification = pending_verification(report.dtype)
-    (out / io.REPORT_FILE).write_text(report.to_json() + "\n")
-    return report
+    return write_streamed(out, files, outputs, {}, [], _Tables(source, tables), names, source, say, ln, report, t0)
 
 
 def _assign_files(source: Source, report, outputs, names, tables) -> dict[str, list[OutTensor]]:

@@ -19,6 +19,7 @@ from .. import checkpoint, io
 from ..errors import NonFiniteWeightsError, NormfoldError
 from . import safetensors_io as st
 from .compute import Computer
+from .plan import pending_verification
 from .source import INDEX, Source
 
 METADATA = {"format": "pt"}  # as io.save writes it
@@ -220,3 +221,18 @@ def write_aux(out: Path, model: nn.Module, source_dir: Path, report, written: di
     for f in checkpoint.ModelDir(source_dir).auxiliary_files():  # checked: nothing from outside the source
         shutil.copy2(f, out / f.name)
     io.apply_umask(out)
+
+
+def write_streamed(out: Path, files, outputs, owner, comps, values, names, source: Source, say, model: nn.Module,
+                   report, t0: float):
+    """Write a streamed conversion's weights (freed memory reused up to the largest source shard), its
+    config / tokenizer files, and its report (digests, time, verification pending); returns the report."""
+    largest = max(p.stat().st_size for p in source.shards)
+    with st.reuse_freed_memory(budget=largest):
+        written = write_checkpoint(out, files, outputs, owner, comps, values, names, source, say)
+    write_aux(out, model, source.path, report, written)
+    report.weight_files = written["digests"]
+    report.seconds["convert"] = round(time.perf_counter() - t0, 3)
+    report.verification = pending_verification(report.dtype)
+    (out / io.REPORT_FILE).write_text(report.to_json() + "\n")
+    return report
