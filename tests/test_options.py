@@ -158,3 +158,4 @@ def test_rotation_is_refused_where_it_has_no_form(tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(StreamUnsupportedError, match="rotate"):
         stream_convert(tmp_path / "src", tmp_path / "out", options=ConvertOptions(rotate="hadamard"))
+    assert list((tmp_path / "out").iterdir()) == []  # refused before anything was written

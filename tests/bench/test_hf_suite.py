@@ -56,8 +56,9 @@ def test_cli_refuses_options_it_does_not_take(capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_cuda_refused_clearly_without_a_gpu(tmp_path, capsys):
-    assert main(["bench", "hf", "--device", "cuda", "--quick", "--out", str(tmp_path)]) == 2
+    assert main(["bench", "hf", "--device", "cuda", "--quick", "--out", str(tmp_path / "out")]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # refused before any table was written
 
 
 @pytest.mark.cuda
