@@ -354,7 +354,8 @@ MAX_REPORT_BYTES = 64 * 1024 * 1024  # a 48-block model's report is ~80 KB
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype | None):
+def default_dtype(dtype: torch.dtype | None):
+    """torch's default dtype set to `dtype` (None: unchanged) inside the block, restored after it."""
     previous = torch.get_default_dtype()
     if dtype is not None:
         torch.set_default_dtype(dtype)
@@ -500,7 +501,7 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, *, fas
             state.update(load_file(str(f)))
         # build in the stored dtype: load_state_dict copies into the existing parameters, so a float32
         # skeleton would round float64 weights before any later .to(float64)
-        with _default_dtype(_stored_dtype(state)):
+        with default_dtype(_stored_dtype(state)):
             model = cls(config, **kwargs)
             apply_structure(model, report.structure)
         missing, unexpected = model.load_state_dict(state, strict=False)

@@ -94,7 +94,7 @@ class _Tables:
 def _meta_converted(report, config, cls, kwargs, dtype) -> nn.Module:
     from ..io import apply_structure
 
-    with torch.device("meta"), io._default_dtype(dtype):
+    with torch.device("meta"), io.default_dtype(dtype):
         model = cls(config, **kwargs)
         model = model.to(dtype)
         if hasattr(model, "tie_weights"):
