@@ -157,10 +157,14 @@ def test_disk_full_is_a_user_error(ckpt, tmp_path, capsys, monkeypatch):
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("extra", [[], ["--fold-final"]])
+@pytest.mark.parametrize("extra", [[], ["--fold-final"], ["--to", "crmsnorm"], ["--to", "crmsnorm", "--pad"],
+                                   ["--to", "crmsnorm", "--pad", "--fold-final", "--allow-new-bias"],
+                                   ["--to", "crmsnorm", "--fold-final", "--allow-new-bias"]])
 def test_large_sources_are_verified_block_by_block(ckpt, tmp_path, capsys, monkeypatch, extra):
     """Above the in-memory threshold the streamed output is verified by normfold.stream.blockverify: same
-    verdict and the same float64 level as the in-memory verification of the same conversion."""
+    verdict and the same float64 level as the in-memory verification of the same conversion. Every streamed
+    target passes (issue 26 item 3: `--pad`'s d-wide zero-padded stream too); `--fold-final` leaves the final
+    norm's output out (its γ is in the head), as the in-memory check does."""
     from normfold.cli import convert_stream as stream_cli
 
     monkeypatch.setattr(stream_cli, "VERIFY_IN_MEMORY_BYTES", 0)

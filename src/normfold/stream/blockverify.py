@@ -59,7 +59,7 @@ FP64 = torch.float64
 
 def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.PathLike, *, inputs: dict | None = None,
                      seed: int = 0, centered=None, progress: Callable[[str], None] | None = None,
-                     fp64_tol: float | None = None) -> dict:
+                     fp64_tol: float | None = None, skip=()) -> dict:
     """`normfold verify ORIGINAL CONVERTED`'s checks in bounded memory; returns the same dict as
     `verify.compare_models(...).to_dict()` plus per-block results (see the module docstring).
 
@@ -67,7 +67,8 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     an index); the converted one may carry `normfold.json`, whose structure is replayed. `inputs`:
     forward kwargs (default: the adapter's example inputs for `seed`). `progress(message)` is called
     as each pass starts. `fp64_tol` defaults to compare_models' (`verify.stored_weights_tolerance` of
-    the stored dtype)."""
+    the stored dtype). `skip`: outputs left out of every comparison, as in `verify.diff_outputs` (the final
+    norm's output when its γ went into the head, `--fold-final`: 'last_hidden_state', 'hidden_states[-1]')."""
     from ..io import REPORT_FILE, inspect_converted
 
     original_dir, converted_dir = Path(original_dir), Path(converted_dir)
@@ -125,11 +126,11 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     say(f"converted in {_dt(c_dtype)}")
     p_cw, conv_w = run(c_s, c_units, c_dtype, forced=ref, map_center=True)
 
-    fp64, failed = _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered)
+    fp64, failed = _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered, skip)
     floor = tol if c_dtype == FP64 else ULP_FLOOR * dtype_eps(c_dtype)
-    base = {d.name: d for d in diff_outputs(orig_w, exact, (), centered)}
+    base = {d.name: d for d in diff_outputs(orig_w, exact, skip, centered)}
     rows, working_ok = [], True
-    for d in diff_outputs(conv_w, exact, (), centered):
+    for d in diff_outputs(conv_w, exact, skip, centered):
         b_rel = base[d.name].max_rel if d.name in base else 0.0
         ok = d.max_rel <= WORKING_FACTOR * b_rel + floor
         working_ok &= ok
@@ -137,7 +138,7 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     if c_dtype != FP64:
         working_ok = explain_failures(rows, conv_w, exact, c_dtype)
     wblocks = _working_blocks(ref, p_ow, p_cw, floor)
-    direct = diff_outputs(conv_w, orig_w, (), centered)
+    direct = diff_outputs(conv_w, orig_w, skip, centered)
     worst_direct = worst_of(direct)
     sizes = {"original": _sizes(o_s, o_units), "converted": _sizes(c_s, c_units)}
     return {
@@ -158,10 +159,10 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
 
 
 
-def _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered) -> tuple[dict, list[str]]:
+def _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered, skip=()) -> tuple[dict, list[str]]:
     """float64: end to end, per block (on the original's inputs), the stream entering each stack
     (embeddings) and the outputs computed from the original's last hidden states (heads)."""
-    d64 = diff_outputs(out_c64, exact, (), centered)
+    d64 = diff_outputs(out_c64, exact, skip, centered)
     block_rows, failed = [], []
     for b, k in _block_names(p_c64.forced_out):
         r, out = p_c64.forced_out[b][k]
@@ -178,7 +179,7 @@ def _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered) -
             d = block_diff(f"stream into {b}", p_c64.free_in[b][0], stream_in(ref[b][0].args, ref[b][0].kwargs))
             emb_rows.append({**asdict(d), "passed": d.max_rel <= tol})
     head_rows = [{**asdict(d), "passed": d.max_rel <= tol}
-                 for d in diff_outputs(out_tail, exact, (), centered) if "hidden_states" not in d.name]
+                 for d in diff_outputs(out_tail, exact, skip, centered) if "hidden_states" not in d.name]
     worst = worst_of(d64)
     ok = worst["max_rel_error"] <= tol and not failed and all(r["passed"] for r in emb_rows + head_rows)
     return ({**worst, "tolerance": tol, "passed": ok, "outputs": [asdict(d) for d in d64],
