@@ -23,6 +23,7 @@ from .. import io
 from ..errors import NormfoldError, OutputExistsError, VerificationFailedError
 from ..stream.convert import (PENDING, STREAMED_TARGETS, StreamUnsupportedError, open_source, prepare,
                               stream_convert, weight_files)
+from ..stream.reverse import REVERSE_TARGETS, prepare_reverse, stream_reverse
 
 VERIFY_IN_MEMORY_BYTES = 256 * 1024**2  # verify streamed outputs in memory up to this source size
 
@@ -33,12 +34,20 @@ def blockers(args) -> list[str]:
     model = Path(args.model) if args.model else io.default_model_path()
     if not model.is_dir():
         why.append(f"{args.model} is not a local directory")
-    elif (model / io.REPORT_FILE).is_file():
-        why.append("MODEL is a normfold checkpoint (reverse conversions run in memory)")
+    elif (model / io.REPORT_FILE).is_file():  # a normfold checkpoint: the way back
+        if args.to not in REVERSE_TARGETS:
+            why.append(f"--to {args.to} from a normfold checkpoint (streaming converts one back "
+                       f"--to {' or '.join(REVERSE_TARGETS)})")
+        for flag, on in (("--keep-affine", args.keep_affine), ("--fold-final", args.fold_final),
+                         ("--allow-new-bias", args.allow_new_bias), ("--pad", args.pad),
+                         ("--untie", getattr(args, "untie", False))):
+            if on:
+                why.append(f"{flag} with a normfold checkpoint (the streamed way back takes no options)")
     elif weight_files(model) is None:
         why.append("MODEL has no safetensors weights")
-    if args.to not in STREAMED_TARGETS:
-        why.append(f"--to {args.to} (streaming converts --to {' or '.join(STREAMED_TARGETS)})")
+    if args.to not in STREAMED_TARGETS and not (model.is_dir() and (model / io.REPORT_FILE).is_file()):
+        why.append(f"--to {args.to} (streaming converts --to {' or '.join(STREAMED_TARGETS)}, and a normfold "
+                   f"checkpoint --to {' or '.join(REVERSE_TARGETS)})")
     for flag, on in (("--inputs", getattr(args, "inputs", None)), ("--text", args.text), ("--auto", args.auto),
                      ("--option", args.option), ("--dry-run", args.dry_run),
                      ("--rotate", getattr(args, "rotate", None)),
@@ -50,6 +59,24 @@ def blockers(args) -> list[str]:
     if not args.out and not args.dry_run:
         why.append("no --out")
     return why
+
+
+def is_reverse(source_dir: Path) -> bool:
+    """MODEL is a normfold checkpoint: its streamed conversion is the way back (normfold.stream.reverse)."""
+    return (Path(source_dir) / io.REPORT_FILE).is_file()
+
+
+def _prepare_reverse(args, source_dir: Path):
+    """`prepare_reverse`'s checks, and one of the CLI's: a reverse output is verified block by block with the
+    roles swapped (the streamed LayerNorm model as ORIGINAL, read as a stock checkpoint), so above
+    VERIFY_IN_MEMORY_BYTES the output must be stock-reloadable (no added biases)."""
+    src_report, *_, source = prepare_reverse(source_dir, args.to)
+    if src_report.structure.added_bias and source.total_bytes > VERIFY_IN_MEMORY_BYTES:
+        raise StreamUnsupportedError(
+            f"{source_dir} holds biases the conversion added ({', '.join(src_report.structure.added_bias[:3])}): its "
+            "LayerNorm form loads with normfold.load only, and the block-wise verifier (which checks streamed "
+            f"outputs above {VERIFY_IN_MEMORY_BYTES // 1024**2} MB) reads the LayerNorm model as a stock checkpoint")
+    return src_report
 
 
 def _prepare(args, source_dir: Path):
@@ -73,7 +100,15 @@ def maybe_stream(args, summarize=None) -> int | None:
         return None
     source_dir = Path(args.model) if args.model else io.default_model_path()
     prepared = None
-    if mode == "auto":
+    if is_reverse(source_dir):
+        try:
+            _prepare_reverse(args, source_dir)
+        except NormfoldError as exc:
+            if mode == "always":
+                raise StreamUnsupportedError(f"--stream always cannot stream this conversion: {exc}. Use --stream "
+                                             "never (or auto) to convert in memory.") from exc
+            return None
+    elif mode == "auto":
         try:
             prepared = _prepare(args, source_dir)
         except NormfoldError:
@@ -85,7 +120,10 @@ def run_streamed(args, source_dir: Path, summarize=None, prepared=None) -> int:
     from .ui import Steps
 
     guard.check_remote_code(source_dir / "config.json", getattr(args, "trust_remote_code", False))
-    guard.inspect_checkpoint(source_dir)  # broken or hostile files end here, before any work
+    if is_reverse(source_dir):  # a normfold checkpoint: checked as normfold.load checks it (io.inspect_converted)
+        _prepare_reverse(args, source_dir)
+    else:
+        guard.inspect_checkpoint(source_dir)  # broken or hostile files end here, before any work
     out = io.check_output_dir(args.out, args.force).absolute()
     steps = Steps(total=2, quiet=args.quiet)
     with output_lock(out), _disk_errors(out):
@@ -93,10 +131,15 @@ def run_streamed(args, source_dir: Path, summarize=None, prepared=None) -> int:
             # announced once the lock and the staging directory exist: a Ctrl-C / SIGTERM from here on
             # removes both (signal tests send it as soon as this line appears)
             steps.start("convert", f"converting {source_dir} shard by shard (--stream)")
-            prepared = prepared or _prepare(args, source_dir)
-            report = stream_convert(source_dir, tmp, prepared=prepared, progress=steps.note)
-            steps.start("verify", "verifying")
-            verify_streamed(source_dir, tmp, report, fp64_tol=args.fp64_tol, seed=args.seed,
+            if is_reverse(source_dir):
+                report = stream_reverse(source_dir, tmp, to=args.to, progress=steps.note)
+                steps.start("verify", "verifying")
+                verify_reverse(source_dir, tmp, report, fp64_tol=args.fp64_tol, seed=args.seed, progress=steps.note)
+            else:
+                prepared = prepared or _prepare(args, source_dir)
+                report = stream_convert(source_dir, tmp, prepared=prepared, progress=steps.note)
+                steps.start("verify", "verifying")
+                verify_streamed(source_dir, tmp, report, fp64_tol=args.fp64_tol, seed=args.seed,
                              fold_final=args.fold_final, keep_affine=args.keep_affine,
                              allow_new_bias=args.allow_new_bias, pad=bool(args.pad),
                              untie=getattr(args, "untie", False), progress=steps.note)
@@ -214,4 +257,45 @@ def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float 
         inputs = adapter.example_inputs(original, torch.Generator().manual_seed(seed))
         report.verification = verify_conversion(original, converted, inputs, reconvert=reconvert, fp64_tol=fp64_tol,
                                                 skip=skip, centered=centered_outputs(adapter.plan(original))).to_dict()
+    (Path(out_dir) / io.REPORT_FILE).write_text(report.to_json() + "\n")
+
+
+def verify_reverse(source_dir: Path, out_dir: Path, report, *, fp64_tol: float = 1e-9, seed: int = 0,
+                   progress=None) -> None:
+    """Verify a streamed way back (normfold checkpoint -> LayerNorm). Sources up to VERIFY_IN_MEMORY_BYTES: in
+    memory, as the in-memory reverse conversion verifies itself (`compress.reverse.convert_converted`: the
+    source against the output, float64 re-conversion, plus its input-rounding allowance). Larger ones: block
+    by block with the roles swapped: the output (a plain LayerNorm model, stock checkpoint) is ORIGINAL, the
+    normfold source (its structure replayed from normfold.json) is CONVERTED, exactly the pair a forward
+    conversion verifies. Each source block runs on the output's hidden states; streams are compared centred
+    (the output's stream carries the tied table's row means again, the source's does not; both models' norms
+    centre or are fed centred states), the last d coordinates as they are. Tolerances are `normfold verify`'s
+    for the stored dtype. Updates `report` and normfold.json."""
+    import torch
+
+    from ..adapters import find_adapter
+    from ..compress.reverse import input_rounding, to_layernorm
+    from ..convert import centered_outputs
+    from ..verify import verify_conversion
+
+    src_report, *_, source = prepare_reverse(source_dir, report.variant)
+    if source.total_bytes > VERIFY_IN_MEMORY_BYTES:
+        from ..stream.blockverify import verify_blockwise
+
+        v = verify_blockwise(out_dir, source_dir, seed=seed, progress=progress,
+                             fp64_tol=None if fp64_tol == 1e-9 else fp64_tol)
+        v["roles"] = ("reverse conversion checked block by block with the roles swapped: ORIGINAL = the streamed "
+                      "LayerNorm output, CONVERTED = the normfold source")
+    else:
+        model = io.load(source_dir)
+        target = io.load(out_dir)
+        adapter = find_adapter(model)
+        inputs = adapter.example_inputs(model, torch.Generator().manual_seed(seed))
+        centered = tuple(report.centered_outputs) or centered_outputs(adapter.plan(target))
+        rounding = input_rounding(model, inputs, centered)
+        v = verify_conversion(model, target, inputs, reconvert=lambda m: to_layernorm(m).eval(),
+                              fp64_tol=fp64_tol + 2 * rounding, centered=centered).to_dict()
+        if v.get("fp64") is not None:
+            v["fp64"]["input_rounding"] = rounding
+    report.verification = v
     (Path(out_dir) / io.REPORT_FILE).write_text(report.to_json() + "\n")

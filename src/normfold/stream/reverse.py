@@ -104,17 +104,11 @@ def _meta_converted(report, config, cls, kwargs, dtype) -> nn.Module:
     return model.eval()
 
 
-def stream_reverse(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *, to: str = "layernorm",
-                   progress=None) -> ConversionReport:
-    """A Pre-RMSNorm checkpoint written by normfold, streamed back to the stock Pre-LN model in `out_dir` (an
-    existing empty directory): the same tensors as the in-memory reverse conversion. Verification is not run
-    here (the report says so)."""
-    say = progress or (lambda msg: None)
-    t0 = time.perf_counter()
+def prepare_reverse(source_dir: str | os.PathLike, to: str = "layernorm"):
+    """Every check `stream_reverse` makes before it reads a weight (no output needed): raises
+    StreamUnsupportedError for what streams only in memory. Returns what `inspect_converted_kwargs` read and
+    the weights' headers (a Source)."""
     path = Path(source_dir)
-    out = Path(out_dir)
-    if not out.is_dir() or any(out.iterdir()):
-        raise NormfoldError(f"{out} must be an existing empty directory")
     if to not in REVERSE_TARGETS:
         raise StreamUnsupportedError(f"streaming converts a normfold checkpoint --to layernorm only; --to {to} from "
                                      "it needs the in-memory conversion (--stream never, or normfold.convert)")
@@ -135,7 +129,22 @@ def stream_reverse(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             raise StreamUnsupportedError(
                 f"the tied head {tie['head']} holds a folded norm scale or an added bias: it is untied as "
                 "(E' + mean)·diag(scale), which streaming does not compute; convert it in memory (--stream never)")
-    source = _open(path, stock)
+    return src_report, config, cls, stock, kwargs, _open(path, stock)
+
+
+def stream_reverse(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *, to: str = "layernorm",
+                   progress=None) -> ConversionReport:
+    """A Pre-RMSNorm checkpoint written by normfold, streamed back to the stock Pre-LN model in `out_dir` (an
+    existing empty directory): the same tensors as the in-memory reverse conversion. Verification is not run
+    here (the report says so; the CLI runs `normfold.cli.convert_stream.verify_reverse`)."""
+    say = progress or (lambda msg: None)
+    t0 = time.perf_counter()
+    path = Path(source_dir)
+    out = Path(out_dir)
+    if not out.is_dir() or any(out.iterdir()):
+        raise NormfoldError(f"{out} must be an existing empty directory")
+    src_report, config, cls, stock, kwargs, source = prepare_reverse(path, to)
+    structure = src_report.structure
     dtype = checkpoint_dtype(source)
 
     model = _meta_converted(src_report, config, cls, kwargs, dtype)
@@ -158,6 +167,9 @@ def stream_reverse(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         if isinstance(m, TiedHead):
             restored[id(m._table.weight)] = stored[id(m.mean)]
 
+    from ..sizes import measure, size_report
+
+    before = measure(model)
     ln = model  # to_layernorm in place on the meta model: the structure of the in-memory result
     ln.normfold_report = copy.deepcopy(src_report)
     with torch.device("meta"):  # the new LayerNorms on meta too (their values: copies and fills, below)
@@ -199,6 +211,7 @@ def stream_reverse(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                               structure=Structure(untied=list(structure.untied)))
     report.stock_reloadable = not structure.added_bias
     report.centered_outputs = list(src_report.centered_outputs)
+    report.size = size_report(before, ln)
     report.notes.append("reverse conversion (paper 001 App. C) from a rmsnorm model: layernorm")
     report.notes.append("converted shard by shard from the safetensors files (normfold.stream)")
     if src_report.source:
