@@ -46,6 +46,21 @@ def test_always_refuses_what_needs_memory(ckpt, tmp_path, capsys):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("flag", [["--rotate", "hadamard"], ["--rotate", "orthogonal", "--rotate-online"]])
+def test_rotation_is_refused_by_name_and_converts_in_memory(ckpt, tmp_path, capsys, flag):
+    """Issue 26 item 3: --rotate does not stream yet. always: exit 2, one paragraph saying why, nothing written;
+    auto: the in-memory rotation (verified) runs instead."""
+    code = main(["convert", str(ckpt), "--out", str(tmp_path / "o"), "--stream", "always", "-q", *flag])
+    err = capsys.readouterr().err
+    assert code == 2 and "--rotate" in err and "not streamed yet" in err and "Traceback" not in err
+    assert err.strip().count("\n") == 0
+    assert not any(tmp_path.iterdir())
+    assert main(["convert", str(ckpt), "--out", str(tmp_path / "m"), "-q", "--json", *flag]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "normfold.stream" not in " ".join(report["notes"]) and report["verification"]["passed"] is True
+    assert report["structure"]["rotation"]["kind"] == flag[1]
+
+
 def _streamed_notes(capsys) -> bool:
     return "normfold.stream" in " ".join(json.loads(capsys.readouterr().out)["notes"])
 

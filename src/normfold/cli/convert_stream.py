@@ -3,7 +3,8 @@
 auto (default) streams whenever MODEL is a local directory of safetensors weights that the streamed
 conversion can read (one floating dtype, an adapter's plan, tensors transformers only renames) and no option
 needs the model in memory (`blockers`): whatever its size, since streaming is both faster and smaller than
-loading the model. always streams or says why it cannot; never keeps the in-memory path. The output is
+loading the model. A Pre-RMSNorm normfold checkpoint `--to layernorm` streams back (`stream.reverse`,
+verified by `verify_reverse`). always streams or says why it cannot; never keeps the in-memory path. The output is
 written into a temporary directory beside --out, renamed at the end and removed on any failure (Ctrl-C
 included); a lock file `.{name}.lock` beside --out makes a second conversion into the same directory fail
 cleanly.
@@ -49,11 +50,14 @@ def blockers(args) -> list[str]:
         why.append(f"--to {args.to} (streaming converts --to {' or '.join(STREAMED_TARGETS)}, and a normfold "
                    f"checkpoint --to {' or '.join(REVERSE_TARGETS)})")
     for flag, on in (("--inputs", getattr(args, "inputs", None)), ("--text", args.text), ("--auto", args.auto),
-                     ("--option", args.option), ("--dry-run", args.dry_run),
-                     ("--rotate", getattr(args, "rotate", None)),
-                     ("--rotate-online", getattr(args, "rotate_online", False))):
+                     ("--option", args.option), ("--dry-run", args.dry_run)):
         if on:
             why.append(f"{flag} needs the in-memory model")
+    for flag, on in (("--rotate", getattr(args, "rotate", None)),
+                     ("--rotate-online", getattr(args, "rotate_online", False))):
+        if on:
+            why.append(f"{flag} is not streamed yet (the rotation must act on the float64 fold before its one "
+                       "rounding, and the block-wise verifier does not compare rotated hidden states)")
     if args.dtype not in ("auto", None):
         why.append("--dtype other than auto (streaming keeps the checkpoint's dtype)")
     if not args.out and not args.dry_run:

@@ -91,7 +91,9 @@ def _options(options, to, keep_affine, fold_final, allow_new_bias, pad, untie) -
     if options.untie and options.to != "rmsnorm":
         raise StreamUnsupportedError("--untie applies to --to rmsnorm only")
     if options.rotate is not None or options.rotate_online:
-        raise StreamUnsupportedError("--rotate needs the in-memory conversion (--stream never, or normfold.convert)")
+        raise StreamUnsupportedError("--rotate is not streamed yet: the in-memory rotation acts on the float64 fold "
+                                     "before its one rounding, and the block-wise verifier does not compare rotated "
+                                     "hidden states; convert in memory (--stream never, or normfold.convert)")
     return options
 
 
