@@ -209,11 +209,36 @@ def center_writer_at(model: nn.Module, path: str) -> int:
             "(register its weight layout with normfold.algebra.register_layout)")
     weight = getattr(obj, lay.weight)
     bias = getattr(obj, lay.bias, None) if lay.bias else None
-    new_w, new_b = algebra.center_writer(weight, bias, lay.out_dim)
-    _set(weight, new_w)
+    if _center_rows_in_place(weight, lay.out_dim):
+        new_b = None if bias is None else algebra.center(bias, -1)
+    else:
+        new_w, new_b = algebra.center_writer(weight, bias, lay.out_dim)
+        _set(weight, new_w)
     if bias is not None:
         _set(bias, new_b)
     return 1 + (bias is not None)
+
+
+CENTER_CHUNK_BYTES = 4 * 1024 * 1024
+
+
+def _center_rows_in_place(weight: torch.Tensor, out_dim: int) -> bool:
+    """A writer whose output axis is its last (embedding tables, Conv1D), centred in place in row chunks of about
+    CENTER_CHUNK_BYTES of float64: the values of one whole-tensor `algebra.center` (each row's mean is its own;
+    no chunk of a single row, which torch would reduce in another order), without its float64 copies of the
+    whole table (2.5x a float32 table at once: 1.6 GB for GPT-2-XL's). False: not such a writer."""
+    if weight.dim() < 2 or out_dim not in (-1, weight.dim() - 1) or not weight.is_contiguous() \
+            or weight.device.type == "meta":
+        return False
+    flat = weight.data.view(-1, weight.shape[-1])
+    n, rows = flat.shape[0], max(2, CENTER_CHUNK_BYTES // 8 // max(1, flat.shape[1]))
+    bounds = [(a, min(a + rows, n)) for a in range(0, n, rows)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+        bounds[-2:] = [(bounds[-2][0], n)]
+    with torch.no_grad():
+        for a, b in bounds:
+            flat[a:b] = algebra.center(flat[a:b], -1)
+    return True
 
 
 def center_writer(model: nn.Module, path: str) -> int:
@@ -596,7 +621,7 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
             inplace: bool = False, verify: bool = True, inputs: dict | None = None, fp64_tol: float = 1e-9,
             progress: Progress | None = None, auto: bool = False, rotate: str | None = None,
             rotate_seed: int | None = None, rotate_online: bool | None = None, untie: bool | None = None,
-            fast: bool = True) -> tuple[nn.Module, ConversionReport]:
+            fast: bool = True, discard_original: bool = False) -> tuple[nn.Module, ConversionReport]:
     """Convert `model` and return (converted model in eval mode, report).
 
     The original is not modified unless `inplace=True`. With `verify=True` (default) both models
@@ -627,6 +652,10 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
     residual add fused with the next norm in supported blocks, padded Pre-CRMS writers, bfloat16 tied heads
     packed into one GEMM (`nn.TiedHead.pack`). They change
     how the model computes (rounding only), not its parameters; fast=False leaves them out.
+
+    `discard_original` (the CLI): the caller will not use `model` again, so verification casts it to float64 in
+    place and re-converts it there instead of copying it (`verify.verify_conversion(consume_original=True)`):
+    peak memory 3x a float32 model instead of 5x; `model` is left converted, in float64.
     """
     options = resolve_options(options, "normfold.convert", to=to, keep_affine=keep_affine, fold_final=fold_final,
                               allow_new_bias=allow_new_bias, pad=pad, variant_options=variant_options,
@@ -727,6 +756,7 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
                       if rotate is not None else None)
         report.verification = verify_conversion(
             original, target, inputs, reconvert=reconvert if variant.exact else None, fp64_tol=fp64_tol,
-            skip=skip, centered=centered_outputs(plan), output_map=output_map).to_dict()
+            skip=skip, centered=centered_outputs(plan), output_map=output_map,
+            consume_original=discard_original and not inplace).to_dict()
         report.seconds["verify"] = round(time.perf_counter() - t1, 3)
     return target, report

@@ -252,17 +252,27 @@ def _mapped(outputs: dict[str, Tensor], output_map) -> dict[str, Tensor]:
 
 def verify_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *, reconvert=None,
                       fp64_tol: float = 1e-9, skip=(), centered=CENTERED_OUTPUTS,
-                      output_map=None) -> Verification:
+                      output_map=None, consume_original: bool = False) -> Verification:
     """Run the checks described in the module docstring. `reconvert(model_fp64) -> converted_fp64`
     re-applies the conversion in float64 (None for conversions that are not output-equivalent); it
     receives a private float64 copy of the original and may convert it in place. `output_map(name, t)`
-    maps each converted output before comparison (a rotated stream back to the original basis)."""
+    maps each converted output before comparison (a rotated stream back to the original basis).
+
+    `consume_original`: the caller no longer needs `original` (the CLI): the working-dtype runs go first, then
+    `original` itself is cast to float64 in place (parameter by parameter, no copy) and handed to `reconvert`,
+    so it is left converted, in float64. Same numbers; the peak is the converted model plus one float64 model
+    (3x a float32 checkpoint) instead of that plus the original and a transient float32 copy of it (5x)."""
 
     dtype = working_dtype(converted)
     was_training = original.training
     original.eval()
     try:
-        orig64 = copy.deepcopy(original).to(torch.float64).eval()
+        if consume_original:
+            orig_w = run_model(original, inputs)
+            conv_w = _mapped(run_model(converted, inputs), output_map)
+            orig64 = original.to(torch.float64).eval()
+        else:
+            orig64 = copy.deepcopy(original).to(torch.float64).eval()
         exact = run_model(orig64, inputs)
         fp64 = None
         if reconvert is not None:
@@ -275,8 +285,9 @@ def verify_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *
             fp64 = {**worst, "tolerance": fp64_tol, "passed": worst["max_rel_error"] <= fp64_tol,
                     "outputs": [asdict(d) for d in d64]}
         del orig64
-        orig_w = run_model(original, inputs)
-        conv_w = _mapped(run_model(converted, inputs), output_map)
+        if not consume_original:
+            orig_w = run_model(original, inputs)
+            conv_w = _mapped(run_model(converted, inputs), output_map)
     finally:
         original.train(was_training)
 

@@ -122,10 +122,13 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout instead of a table")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--stream", choices=["auto", "always", "never"], default="auto",
-                   help="convert a safetensors checkpoint shard by shard in bounded memory: auto (default) "
-                        "whenever MODEL is a local directory of safetensors weights that can stream and no option "
-                        "needs the in-memory model (--inputs, --text, --auto, --option, --dry-run, --dtype, "
-                        "--to un/layernorm); always = stream or say why not; never = in memory")
+                   help="convert a safetensors checkpoint shard by shard in bounded memory, verified block by "
+                        "block above 256 MB: auto (default) whenever MODEL is a local directory of safetensors "
+                        "weights that can stream: --to rmsnorm, --to crmsnorm (--pad), and a Pre-RMSNorm normfold "
+                        "checkpoint --to layernorm (the way back); in memory (within 3x the checkpoint) when an "
+                        "option needs the model (--rotate, --inputs, --text, --auto, --option, --dry-run, --dtype, "
+                        "--to un), for Pre-CRMSNorm checkpoints back, and for sources streaming cannot read; "
+                        "always = stream or exit 2 saying why; never = in memory (docs/large-checkpoints.md)")
     p.set_defaults(run=run)
 
 
@@ -238,7 +241,9 @@ def _run_in_memory(args) -> int:
                                 fp64_tol=args.fp64_tol, progress=progress, variant_options=options,
                                 pad=bool(args.pad), rotate=args.rotate, rotate_seed=args.rotate_seed,
                                 rotate_online=args.rotate_online,
-                                untie=getattr(args, "untie", False))
+                                untie=getattr(args, "untie", False),
+                                discard_original=True)  # not used again: verified in place (3x, not 5x)
+    del model  # now a float64 copy of the conversion (2x the checkpoint): freed before saving
     report.source = source
     v = report.verification
     # A variant that is not output-exact (--to un) has nothing to verify: its report says so.
