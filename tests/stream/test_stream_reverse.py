@@ -1,4 +1,4 @@
-"""Streamed reverse conversion (issue 26 item 3): a Pre-RMSNorm checkpoint written by normfold, streamed back
+"""Streamed reverse conversion (issue 26 item 3): a Pre-RMSNorm or Pre-CRMSNorm checkpoint written by normfold, streamed back
 `--to layernorm` (normfold.stream.reverse), holds the same tensors as `normfold.load` + `normfold.convert(model,
 to="layernorm")` + `normfold.save`, reloads in stock transformers and computes the original model's outputs;
 the directions that do not stream are refused with StreamUnsupportedError."""
@@ -97,7 +97,7 @@ def test_reverse_directions_that_do_not_stream_are_refused(tmp_path):
     model, _ = normfold.io.load_source(src)
     conv, report = normfold.convert(model, to="crmsnorm", verify=False)
     normfold.save(conv, report, tmp_path / "crms", source_dir=src)
-    for to in ("layernorm", "rmsnorm"):
+    for to in ("rmsnorm",):  # (Pre-CRMSNorm --to layernorm streams: test_streamed_crmsnorm_way_back_equals_in_memory)
         out = tmp_path / f"out-{to}"
         out.mkdir()
         with pytest.raises(StreamUnsupportedError, match="in memory"):
@@ -175,3 +175,41 @@ def test_streamed_reverse_after_forward_options(tmp_path, family, head, kw):
     assert (tmp_path / "mem" / "config.json").read_text() == (tmp_path / "st" / "config.json").read_text()
     assert mem_report.to_dict()["structure"] == report.to_dict()["structure"]
     assert mem_report.stock_reloadable == report.stock_reloadable
+
+
+@pytest.mark.parametrize("kw", [{}, {"pad": True}, {"fold_final": True}, {"fold_final": True, "allow_new_bias": True}],
+                         ids=lambda k: "-".join(k) or "plain")
+@pytest.mark.parametrize("family,head", FAMILIES + [("bloom", "BloomForCausalLM"), ("gpt_neox", "GPTNeoXForCausalLM")])
+def test_streamed_crmsnorm_way_back_equals_in_memory(tmp_path, family, head, kw):
+    """A Pre-CRMSNorm checkpoint (d-1, or zero-padded) streams back --to layernorm: decompress's values per tensor
+    (writers' last output restored as minus the sum, readers' zero input column, a tied compressed head untied as
+    the restored table plus its row means), the in-memory bytes, config and report."""
+    src = _source(tmp_path, family, head)
+    crms = tmp_path / "crms"
+    crms.mkdir()
+    stream_convert(src, crms, to="crmsnorm", **kw)
+    mem_report, report = _reverse_both(tmp_path, crms)
+    assert tensors_bytes(tmp_path / "mem") == tensors_bytes(tmp_path / "st")
+    assert (tmp_path / "mem" / "config.json").read_text() == (tmp_path / "st" / "config.json").read_text()
+    a, b = mem_report.to_dict(), report.to_dict()
+    for key in ("variant", "structure", "stock_reloadable", "dtype", "centered_outputs", "adapter", "size"):
+        assert a[key] == b[key], key
+    assert "decompress -> layernorm" in " ".join(report.notes)
+
+
+def test_streamed_crmsnorm_way_back_in_row_chunks_16bit(tmp_path, monkeypatch):
+    """Tiny chunks over the restored tables (the last-axis writers and the tied compressed head), bfloat16: the
+    bytes of decompress's whole-tensor passes."""
+    from normfold.stream import compute as stream_compute
+    from normfold.stream import reverse as stream_reverse_mod
+
+    monkeypatch.setattr(stream_compute, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(stream_reverse_mod, "CHUNK_BYTES", 1024)
+    example = get_adapter("gpt2").examples[0]
+    src = make_checkpoint(example, "GPT2LMHeadModel", tmp_path / "src", dtype=torch.bfloat16, shard="20KB")
+    crms = tmp_path / "crms"
+    crms.mkdir()
+    stream_convert(src, crms, to="crmsnorm")
+    _reverse_both(tmp_path, crms)
+    assert tensors_bytes(tmp_path / "mem") == tensors_bytes(tmp_path / "st")
+    assert {v[0] for v in tensors_bytes(tmp_path / "st").values()} == {"BF16"}

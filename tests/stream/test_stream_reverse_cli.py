@@ -1,4 +1,5 @@
-"""`normfold convert CONVERTED --to layernorm --out DIR` streams by default (issue 26 item 3) and verifies what it
+"""`normfold convert CONVERTED --to layernorm --out DIR` (Pre-RMSNorm or Pre-CRMSNorm, d-1 or padded) streams by
+default (issue 26 item 3) and verifies what it
 wrote: in memory up to VERIFY_IN_MEMORY_BYTES, above it block by block with the roles swapped (the streamed
 LayerNorm output as ORIGINAL, the normfold source as CONVERTED). The bytes are the in-memory path's; what does not
 stream converts in memory with --stream auto and is refused (exit 2, one paragraph, nothing written) with always."""
@@ -40,14 +41,16 @@ def _streamed(report: dict) -> bool:
     return "normfold.stream" in " ".join(report["notes"])
 
 
+@pytest.mark.parametrize("fwd", [{}, {"to": "crmsnorm"}, {"to": "crmsnorm", "pad": True}],
+                         ids=["from-rmsnorm", "from-crmsnorm", "from-crmsnorm-pad"])
 @pytest.mark.parametrize("blockwise", [False, True], ids=["in-memory-verify", "blockwise-verify"])
 @pytest.mark.parametrize("family,head", FAMILIES)
-def test_cli_streams_the_way_back_and_verifies(tmp_path, capsys, monkeypatch, family, head, blockwise):
+def test_cli_streams_the_way_back_and_verifies(tmp_path, capsys, monkeypatch, family, head, blockwise, fwd):
     from normfold.cli import convert_stream as stream_cli
 
     if blockwise:
         monkeypatch.setattr(stream_cli, "VERIFY_IN_MEMORY_BYTES", 0)
-    src, rms = _rms(tmp_path, family, head)
+    src, rms = _rms(tmp_path, family, head, **fwd)
     code, report = _convert([str(rms), "--to", "layernorm", "--out", str(tmp_path / "st")], capsys)
     assert code == 0 and _streamed(report)
     v = report["verification"]
@@ -116,13 +119,12 @@ def test_cli_way_back_catches_a_wrong_tensor(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("what,extra", [
-    ("crmsnorm source", []),
     ("--to rmsnorm", ["--to", "rmsnorm"]),
     ("option", ["--fold-final"]),
 ])
 def test_what_does_not_stream_back(tmp_path, capsys, what, extra):
     """--stream always refuses (exit 2, one paragraph naming why, nothing written); auto converts in memory."""
-    kw = {"to": "crmsnorm"} if what in ("crmsnorm source", "--to rmsnorm") else {}
+    kw = {"to": "crmsnorm"} if what == "--to rmsnorm" else {}  # Pre-CRMSNorm -> Pre-RMSNorm: in memory
     _, conv = _rms(tmp_path, "gpt2", "GPT2LMHeadModel", **kw)
     to = extra if "--to" in extra else ["--to", "layernorm", *extra]
     before = sorted(p.name for p in tmp_path.iterdir())

@@ -3,8 +3,8 @@
 auto (default) streams whenever MODEL is a local directory of safetensors weights that the streamed
 conversion can read (one floating dtype, an adapter's plan, tensors transformers only renames) and no option
 needs the model in memory (`blockers`): whatever its size, since streaming is both faster and smaller than
-loading the model. A Pre-RMSNorm normfold checkpoint `--to layernorm` streams back (`stream.reverse`,
-verified by `verify_reverse`). always streams or says why it cannot; never keeps the in-memory path. The output is
+loading the model. A Pre-RMSNorm or Pre-CRMSNorm normfold checkpoint `--to layernorm` streams back
+(`stream.reverse`, verified by `verify_reverse`). always streams or says why it cannot; never keeps the in-memory path. The output is
 written into a temporary directory beside --out, renamed at the end and removed on any failure (Ctrl-C
 included); a lock file `.{name}.lock` beside --out makes a second conversion into the same directory fail
 cleanly.
@@ -278,7 +278,7 @@ def verify_reverse(source_dir: Path, out_dir: Path, report, *, fp64_tol: float =
     import torch
 
     from ..adapters import find_adapter
-    from ..compress.reverse import input_rounding, to_layernorm
+    from ..compress.reverse import decompress, input_rounding, to_layernorm
     from ..convert import centered_outputs
     from ..verify import verify_conversion
 
@@ -296,9 +296,11 @@ def verify_reverse(source_dir: Path, out_dir: Path, report, *, fp64_tol: float =
         adapter = find_adapter(model)
         inputs = adapter.example_inputs(model, torch.Generator().manual_seed(seed))
         centered = tuple(report.centered_outputs) or centered_outputs(adapter.plan(target))
-        rounding = input_rounding(model, inputs, centered)
-        v = verify_conversion(model, target, inputs, reconvert=lambda m: to_layernorm(m).eval(),
-                              fp64_tol=fp64_tol + 2 * rounding, centered=centered).to_dict()
+        crms = bool(src_report.structure.compression)  # Pre-CRMSNorm: decompress first; its stream is zero-mean
+        rounding = 0.0 if crms else input_rounding(model, inputs, centered)
+        reconvert = (lambda m: to_layernorm(decompress(m)).eval()) if crms else (lambda m: to_layernorm(m).eval())
+        v = verify_conversion(model, target, inputs, reconvert=reconvert, fp64_tol=fp64_tol + 2 * rounding,
+                              centered=centered).to_dict()
         if v.get("fp64") is not None:
             v["fp64"]["input_rounding"] = rounding
     report.verification = v

@@ -65,6 +65,9 @@ def _restore_last(t: torch.Tensor, dim: int, pad: bool) -> torch.Tensor:
     return out.movedim(-1, dim).to(t.dtype).contiguous()
 
 
+restore_last = _restore_last  # public for the streamed way back (normfold.stream.reverse): the same bytes
+
+
 def decompress(model: nn.Module) -> nn.Module:
     """Pre-CRMSNorm → Pre-RMSNorm in place (App. C); returns the model, its structure updated."""
     structure = _structure(model)

@@ -109,8 +109,8 @@ def prepare(source_dir: str | os.PathLike, *, to: str | None = None, options: Co
 
     if is_normfold_checkpoint(source_dir):
         raise StreamUnsupportedError(f"{source_dir} is a normfold checkpoint (normfold.json): its conversions are "
-                                     "reverse ones; stream_convert(..., to='layernorm') streams a Pre-RMSNorm one "
-                                     "back (normfold.stream.reverse), the others convert in memory (--stream never)")
+                                     "reverse ones; stream_convert(..., to='layernorm') streams a Pre-RMSNorm / "
+                                     "Pre-CRMSNorm one back (normfold.stream.reverse), the others convert in memory (--stream never)")
     options = _options(options, to, keep_affine, fold_final, allow_new_bias, pad, untie)
     checkpoint.ModelDir(source_dir).check_all()  # config, weights, tokenizer files: nothing from outside
     source = open_source(source_dir)

@@ -1,5 +1,5 @@
-"""Streamed reverse conversion (issue 26 item 3): a Pre-RMSNorm checkpoint written by normfold (normfold.json)
-back to the stock Pre-LN model, tensor by tensor, with the same bytes as `normfold.load` +
+"""Streamed reverse conversion (issue 26 item 3): a Pre-RMSNorm (or Pre-CRMSNorm) checkpoint written by normfold
+(normfold.json) back to the stock Pre-LN model, tensor by tensor, with the same bytes as `normfold.load` +
 `normfold.convert(model, to="layernorm")` + `normfold.save`.
 
 Why it streams: `compress.reverse.to_layernorm` changes no tensor but two kinds, each computable on its own:
@@ -13,9 +13,14 @@ Every other tensor is copied file to file; Recenters have no tensors. The struct
 shapes, which tensor is which) comes from `to_layernorm` itself run on the converted model built on the meta
 device, so the names and their order are those of the in-memory result.
 
-Not streamed (StreamUnsupportedError; convert in memory): a Pre-CRMSNorm source (its d−1 tensors are
-re-expanded by `decompress`, then a second step), `--to rmsnorm` from Pre-CRMSNorm, a tied head holding a
-folded γ or an added bias (untied as (E' + μ1ᵀ)·diag γ), a rotated model.
+A Pre-CRMSNorm source (`--to layernorm`) goes through `compress.reverse.decompress` first, on the meta model too;
+its tensors are per tensor as well: a writer's d−1 outputs get their last one back as −Σ of the others
+(`restore_last`, float64, rounded once; row chunks where the axis is the last), a reader gets a zero input column
+(not when padded), a tied compressed head becomes the untied (restored table + row means), all as decompress
+computes them.
+
+Not streamed (StreamUnsupportedError; convert in memory): `--to rmsnorm` from Pre-CRMSNorm, a tied head holding
+a folded γ or an added bias (untied as (E' + μ1ᵀ)·diag γ), a rotated model.
 """
 
 from __future__ import annotations
@@ -28,10 +33,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import checkpoint, io
+from .. import algebra, checkpoint, io
 from ..adapters import find_adapter
 from ..adapters.base import get
-from ..compress.reverse import to_layernorm
+from ..compress.reverse import decompress, restore_last, to_layernorm
+from ..compress.runtime import TiedCompressedHead
 from ..errors import NonFiniteWeightsError, NormfoldError
 from ..modelinfo import working_dtype
 from ..nn import RMSNorm, TiedHead
@@ -70,9 +76,10 @@ class _Tables:
     in row chunks (elementwise: the bytes of one whole-table pass). Duck-types the forward Computer for
     `writer.write_checkpoint` (no components)."""
 
-    def __init__(self, source: Source, tables: dict[str, tuple[str, str]]):
+    def __init__(self, source: Source, tables: dict[str, tuple[str, str]], specs: dict[str, tuple] | None = None):
         self.source = source
-        self.head_means = tables  # output name -> (table source name, mean source name)
+        self.specs = dict(specs or {})  # output name -> (kind, source names..., args): Pre-CRMSNorm decompression
+        self.head_means = {**tables, **self.specs}  # every output computed here (the writer asks by membership)
 
     def _read(self, name: str) -> torch.Tensor:
         t = st.read_tensor(self.source.tensors[name])
@@ -82,6 +89,8 @@ class _Tables:
         return t
 
     def derived(self, name: str) -> torch.Tensor:
+        if name in self.specs:
+            return self._decompressed(*self.specs[name])
         table_name, mean_name = self.head_means[name]
         table, mean = self._read(table_name), self._read(mean_name)
         out = torch.empty_like(table)
@@ -89,6 +98,27 @@ class _Tables:
             full = table[a:b].double() + mean[a:b].double()[:, None]
             out[a:b] = full.to(table.dtype)
         return out
+
+    def _decompressed(self, kind: str, src: str, arg, pad: bool = False, mean_src: str | None = None) -> torch.Tensor:
+        """`decompress`'s value of one tensor: a writer's restored last output, a reader's zero input column, a
+        tied compressed head's (restored table + row means). Row chunks where the restored axis is the last
+        (each row's sum is its own; no single-row chunk), so float64 stays chunk-sized."""
+        t = self._read(src)
+        if kind == "reader":
+            return algebra.decompress_reader(t, arg)
+        mean = self._read(mean_src) if kind == "head" else None
+        dim = arg if arg >= 0 else t.dim() + arg
+        if t.dim() < 2 or dim != t.dim() - 1:
+            return restore_last(t, dim, pad)
+        flat = t.reshape(-1, t.shape[-1])
+        width = flat.shape[1] - (1 if pad else 0) + 1
+        out = torch.empty(flat.shape[0], width, dtype=t.dtype)
+        for a, b in row_chunks(flat.shape[0], CHUNK_BYTES // 8 // max(1, width)):
+            rows = restore_last(flat[a:b], 1, pad)
+            if mean is not None:
+                rows = (rows.double() + mean[a:b].double()[:, None]).to(t.dtype)
+            out[a:b] = rows
+        return out.reshape(*t.shape[:-1], width)
 
 
 def _meta_converted(report, config, cls, kwargs, dtype) -> nn.Module:
@@ -117,11 +147,11 @@ def prepare_reverse(source_dir: str | os.PathLike, to: str = "layernorm"):
                                      "checkpoint back")
     src_report, config, cls, stock, kwargs = io.inspect_converted_kwargs(path)
     structure = src_report.structure
-    if src_report.variant != "rmsnorm" or structure.compression:
+    crms = src_report.variant == "crmsnorm" and bool(structure.compression)
+    if not crms and (src_report.variant != "rmsnorm" or structure.compression):
         raise StreamUnsupportedError(
-            f"streaming converts a Pre-RMSNorm checkpoint back to LayerNorm; this one is {src_report.variant} "
-            "(its d-1 tensors are re-expanded by compress.reverse.decompress first): convert it in memory "
-            "(--stream never, or normfold.load + normfold.convert)")
+            f"streaming converts a Pre-RMSNorm or Pre-CRMSNorm checkpoint back to LayerNorm; this one is "
+            f"{src_report.variant}: convert it in memory (--stream never, or normfold.load + normfold.convert)")
     if structure.rotation:
         raise StreamUnsupportedError("a rotated checkpoint is converted back in memory (--stream never)")
     for tie in structure.tied_heads:
@@ -134,8 +164,8 @@ def prepare_reverse(source_dir: str | os.PathLike, to: str = "layernorm"):
 
 def stream_reverse(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *, to: str = "layernorm",
                    progress=None) -> ConversionReport:
-    """A Pre-RMSNorm checkpoint written by normfold, streamed back to the stock Pre-LN model in `out_dir` (an
-    existing empty directory): the same tensors as the in-memory reverse conversion. Verification is not run
+    """A Pre-RMSNorm or Pre-CRMSNorm checkpoint written by normfold, streamed back to the stock Pre-LN model in
+    `out_dir` (an existing empty directory): the same tensors as the in-memory reverse conversion. Verification is not run
     here (the report says so; the CLI runs `normfold.cli.convert_stream.verify_reverse`)."""
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
@@ -166,13 +196,31 @@ def stream_reverse(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     for name, m in model.named_modules():
         if isinstance(m, TiedHead):
             restored[id(m._table.weight)] = stored[id(m.mean)]
+    comp = structure.compression
+    specs: dict[str, tuple] = {}  # Pre-CRMSNorm: output name -> how decompress computes it
+    if comp:
+        pad = bool(comp.get("pad"))
+        by_name = {name: stored[id(t)] for name, t in state.items() if id(t) in stored}
+        for tie in comp.get("tied_heads", []):
+            head = get(model, tie["head"])
+            if isinstance(head, TiedCompressedHead):
+                specs[f"{tie['head']}.weight"] = ("head", stored[id(head.weight)], 1, pad, stored[id(head.mean)])
+        for name, dim in comp.get("writer_params", {}).items():
+            specs.setdefault(name, ("writer", by_name[name], dim, pad))
+        if not pad:
+            for name, in_dim in comp.get("reader_params", {}).items():
+                specs.setdefault(name, ("reader", by_name[name], in_dim))
+        norm_src = {}  # decompress makes new RMSNorms (same names): their tensors are copied by name, below
+    steps = ["decompress", "layernorm"] if comp else ["layernorm"]
 
     from ..sizes import measure, size_report
 
+    model.normfold_report = copy.deepcopy(src_report)  # measure reads a compressed stream's width from it
     before = measure(model)
-    ln = model  # to_layernorm in place on the meta model: the structure of the in-memory result
-    ln.normfold_report = copy.deepcopy(src_report)
-    with torch.device("meta"):  # the new LayerNorms on meta too (their values: copies and fills, below)
+    ln = model  # decompress / to_layernorm in place on the meta model: the structure of the in-memory result
+    with torch.device("meta"):  # new modules on meta too (their values: copies, fills and `specs`, below)
+        if comp:
+            decompress(ln)
         to_layernorm(ln)
     lnstate = ln.state_dict(keep_vars=True)
     outputs: list[OutTensor] = []
@@ -183,7 +231,9 @@ def stream_reverse(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         if id(t) in seen and t.numel():
             continue
         seen.add(id(t))
-        if name in norm_src:
+        if name in specs:
+            outputs.append(OutTensor(name, t.dtype, tuple(t.shape)))
+        elif name in norm_src:
             outputs.append(OutTensor(name, t.dtype, tuple(t.shape)))
             names[name] = norm_src[name]
         elif id(t) in restored:
@@ -192,6 +242,9 @@ def stream_reverse(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         elif id(t) in stored:
             outputs.append(OutTensor(name, t.dtype, tuple(t.shape)))
             names[name] = stored[id(t)]
+        elif comp and name in by_name:  # a module decompress made anew (a CRMSNorm's γ / β): copied by name
+            outputs.append(OutTensor(name, t.dtype, tuple(t.shape)))
+            names[name] = by_name[name]
         elif isinstance(get(ln, name.rpartition(".")[0]), nn.LayerNorm):
             # a LayerNorm affine the RMSNorm did not hold: ones / zeros, as to_layernorm fills it
             outputs.append(OutTensor(name, t.dtype, tuple(t.shape), 1.0 if name.endswith(".weight") else 0.0))
@@ -212,14 +265,17 @@ def stream_reverse(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     report.stock_reloadable = not structure.added_bias
     report.centered_outputs = list(src_report.centered_outputs)
     report.size = size_report(before, ln)
-    report.notes.append("reverse conversion (paper 001 App. C) from a rmsnorm model: layernorm")
+    report.notes.append(f"reverse conversion (paper 001 App. C) from a {src_report.variant} model: "
+                        f"{' -> '.join(steps)}")
     report.notes.append("converted shard by shard from the safetensors files (normfold.stream)")
     if src_report.source:
         report.source = dict(src_report.source)
-    say(f"{type(ln).__name__}, {dtype}, {len(source.shards)} shard(s): rmsnorm -> layernorm")
+    say(f"{type(ln).__name__}, {dtype}, {len(source.shards)} shard(s): {src_report.variant} -> layernorm")
 
-    files = _assign_files(source, report, outputs, names, tables)
-    return write_streamed(out, files, outputs, {}, [], _Tables(source, tables), names, source, say, ln, report, t0)
+    placed = {**tables, **{k: (v[1],) for k, v in specs.items()}}
+    files = _assign_files(source, report, outputs, names, placed)
+    return write_streamed(out, files, outputs, {}, [], _Tables(source, tables, specs), names, source, say, ln,
+                          report, t0)
 
 
 def _assign_files(source: Source, report, outputs, names, tables) -> dict[str, list[OutTensor]]:
