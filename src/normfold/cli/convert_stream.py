@@ -4,10 +4,10 @@ auto (default) streams whenever MODEL is a local directory of safetensors weight
 conversion can read (one floating dtype, an adapter's plan, tensors transformers only renames) and no option
 needs the model in memory (`blockers`): whatever its size, since streaming is both faster and smaller than
 loading the model. A Pre-RMSNorm or Pre-CRMSNorm normfold checkpoint `--to layernorm` streams back
-(`stream.reverse`, verified by `verify_reverse`). always streams or says why it cannot; never keeps the in-memory path. The output is
-written into a temporary directory beside --out, renamed at the end and removed on any failure (Ctrl-C
-included); a lock file `.{name}.lock` beside --out makes a second conversion into the same directory fail
-cleanly.
+(`stream.reverse`, verified by `verify_reverse`). always streams or says why it cannot; never keeps the
+in-memory path. The output is written into a temporary directory beside --out, renamed at the end and removed
+on any failure (Ctrl-C included); a lock file `.{name}.lock` beside --out makes a second conversion into the
+same directory fail cleanly.
 """
 
 from __future__ import annotations
@@ -144,9 +144,9 @@ def run_streamed(args, source_dir: Path, summarize=None, prepared=None) -> int:
                 report = stream_convert(source_dir, tmp, prepared=prepared, progress=steps.note)
                 steps.start("verify", "verifying")
                 verify_streamed(source_dir, tmp, report, fp64_tol=args.fp64_tol, seed=args.seed,
-                             fold_final=args.fold_final, keep_affine=args.keep_affine,
-                             allow_new_bias=args.allow_new_bias, pad=bool(args.pad),
-                             untie=getattr(args, "untie", False), progress=steps.note)
+                                fold_final=args.fold_final, keep_affine=args.keep_affine,
+                                allow_new_bias=args.allow_new_bias, pad=bool(args.pad),
+                                untie=getattr(args, "untie", False), progress=steps.note)
             if not args.model:
                 report.source["model"] = "bundled:kjv-gpt2"  # as the in-memory path names it
             v = report.verification

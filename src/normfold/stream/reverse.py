@@ -165,8 +165,8 @@ def prepare_reverse(source_dir: str | os.PathLike, to: str = "layernorm"):
 def stream_reverse(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *, to: str = "layernorm",
                    progress=None) -> ConversionReport:
     """A Pre-RMSNorm or Pre-CRMSNorm checkpoint written by normfold, streamed back to the stock Pre-LN model in
-    `out_dir` (an existing empty directory): the same tensors as the in-memory reverse conversion. Verification is not run
-    here (the report says so; the CLI runs `normfold.cli.convert_stream.verify_reverse`)."""
+    `out_dir` (an existing empty directory): the same tensors as the in-memory reverse conversion. Verification is
+    not run here (the report says so; the CLI runs `normfold.cli.convert_stream.verify_reverse`)."""
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     path = Path(source_dir)
