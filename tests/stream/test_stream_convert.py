@@ -55,17 +55,22 @@ def test_streamed_bytes_equal_in_memory(tmp_path, family, head):
 
 
 def test_sharded_bf16_tied_head_kept_equals_in_memory(tmp_path, monkeypatch):
-    """The default keeps lm_head tied (nn.TiedHead): one normfold_model.safetensors, byte-identical to the
-    in-memory conversion, no lm_head.weight copy, and normfold.load computes the in-memory logits."""
+    """The default keeps lm_head tied to the original table (Recenter after transformer.wte, stock head): one
+    normfold_model.safetensors, byte-identical to the in-memory conversion, the table stored once and
+    uncentred (the source's bytes), no lm_head copy or correction vector, and normfold.load computes the
+    in-memory logits."""
     monkeypatch.setattr(stream_compute, "CHUNK_BYTES", 2048)
     example = get_adapter("gpt2").examples[0]
     src = make_checkpoint(example, "GPT2LMHeadModel", tmp_path / "src", dtype=torch.bfloat16, shard="8KB")
     conv, mem_report = _in_memory(src, tmp_path / "mem")
     report = _streamed(src, tmp_path / "st")
-    assert report.structure.tied_heads == mem_report.structure.tied_heads != []
+    assert report.structure.tied_heads == mem_report.structure.tied_heads == []
+    assert "transformer.wte" in report.structure.recenter_after
+    assert report.structure.recenter_after == mem_report.structure.recenter_after
     assert tensors_bytes(tmp_path / "mem") == tensors_bytes(tmp_path / "st")
-    names = set(tensors_bytes(tmp_path / "st"))
-    assert "lm_head.mean" in names and "lm_head.weight" not in names
+    written = tensors_bytes(tmp_path / "st")
+    assert not any(n.startswith("lm_head.") for n in written)
+    assert written["transformer.wte.weight"] == tensors_bytes(src)["transformer.wte.weight"]  # the original table
     loaded = normfold.load(tmp_path / "st")
     ids = torch.randint(0, example.kwargs.get("vocab_size", 50), (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -349,7 +349,7 @@ def summary(report, written, args) -> str:
         ["reload", ("stock transformers: yes (from_pretrained); normfold.load: yes" if report.stock_reloadable
                     else "stock transformers: no; normfold.load: yes"
                     + (" (tied head kept; --untie for a stock-reloadable checkpoint)"
-                       if report.structure.tied_heads else " (see notes)"))],
+                       if report.keeps_tie else " (see notes)"))],
     ]
     rows += _size_rows(report.size)
     lines.append(table(rows))
