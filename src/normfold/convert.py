@@ -683,12 +683,14 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
     `rotate_online`: also an online Hadamard before every MLP down-projection (exact; the checkpoint then
     needs `normfold.load`).
 
-    A head tied to an embedding table the conversion centres stays tied (`nn.TiedHead`: the centred
-    table plus its row means, loads with normfold.load); `untie=True` gives the head its own copy of
-    the table instead (plain `transformers` form, stock-reloadable, V×d more parameters).
+    A head tied to an embedding table stays tied (loads with normfold.load): the table stays the original
+    tensor, the head the stock Linear reading it, and a Recenter after the embedding centres its output
+    (`recentre_tied_tables`); a head that takes the final norm's γ (`fold_final`) reads the centred table
+    plus its row means instead (`nn.TiedHead`). `untie=True` gives the head its own copy of the table
+    (plain `transformers` form, stock-reloadable, V×d more parameters).
 
     `fast` (default True) applies `normfold.fastpath` to the result, as `normfold.load` does: the
-    residual add fused with the next norm in supported blocks, padded Pre-CRMS writers, bfloat16 tied heads
+    residual add fused with the next norm in supported blocks, padded Pre-CRMS writers, bfloat16 `nn.TiedHead`s
     packed into one GEMM (`nn.TiedHead.pack`). They change
     how the model computes (rounding only), not its parameters; fast=False leaves them out.
     """
