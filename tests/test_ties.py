@@ -540,3 +540,21 @@ def test_tied_head_record_beside_stock_weights_is_refused(tmp_path):
     (out / "normfold.json").write_text(json.dumps(rep))
     with pytest.raises(CheckpointError, match="tied heads"):
         normfold.load(out)
+
+
+def test_fast_path_still_fuses_the_blocks_of_a_tied_model(tmp_path):
+    """normfold.load's fast path on the default tied form: every block fused with its hand-off, no TiedHead to
+    pack (the head is the stock Linear), and the logits those of fast=False to float32 rounding."""
+    from normfold import fastpath
+
+    adapter, ex = _example("gpt2")
+    model = build(ex, "GPT2LMHeadModel", torch.float32)
+    conv, report = normfold.convert(model, verify=False)
+    out = normfold.save(conv, report, tmp_path / "out")
+    fast, plain = normfold.load(out), normfold.load(out, fast=False)
+    stats = fastpath.refresh(fast)
+    assert stats["fused_blocks"] == stats["handoffs"] == model.config.n_layer and stats["packed_tied_heads"] == 0
+    assert type(fast.lm_head) is nn.Linear and fast.lm_head.weight is fast.transformer.wte.weight
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_err(fast(ids).logits, plain(ids).logits) <= 1e-5

@@ -514,7 +514,9 @@ def _kind(kinds: dict[str, str], name: str) -> str:
 
 
 def keep_ties(model: nn.Module, plan: ConversionPlan, ties: "Ties", report: ConversionReport) -> None:
-    """Undo the untying of `apply_rmsnorm` without changing the function (in place).
+    """Undo the untying of `apply_rmsnorm` without changing the function (in place). A table whose head the
+    conversion leaves as it is never gets here: `recentre_tied_tables` kept it the original, untouched and
+    still tied (a Recenter after the embedding instead); what is left is a head that was edited (fold_final).
 
     A group that no edit changed is simply shared again (bias pairs, tables that were not edited). A
     table tied to heads: every embedding alias shares the centred table E' again (one the plan does
