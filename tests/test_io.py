@@ -77,10 +77,10 @@ def test_stock_transformers_reload_gives_same_outputs(converted_untied, tmp_path
 
 
 def test_tied_checkpoint_is_refused_by_stock_transformers_and_loads_with_normfold(converted, tmp_path):
-    """The default keeps lm_head tied to the centred table (nn.TiedHead): stock transformers would compute
-    h·E'ᵀ without the row-mean term, so the weights go to normfold_model.safetensors (stock fails loudly)."""
+    """The default keeps lm_head tied to the original table with a Recenter after the embedding, which stock
+    transformers cannot express, so the weights go to normfold_model.safetensors (stock fails loudly)."""
     model, conv, report, out = converted
-    assert not report.stock_reloadable and report.structure.tied_heads
+    assert not report.stock_reloadable and "transformer.wte" in report.structure.recenter_after
     assert "normfold.load only" in report.to_dict()["reload"]["how"]
     assert (out / io.NORMFOLD_WEIGHTS).is_file() and not (out / io.STOCK_WEIGHTS).exists()
     result = tmp_path / "stock_logits.pt"
@@ -88,7 +88,7 @@ def test_tied_checkpoint_is_refused_by_stock_transformers_and_loads_with_normfol
                           capture_output=True, text=True, env={"HF_HUB_OFFLINE": "1", "PATH": ""})
     assert proc.returncode != 0 and "model.safetensors" in proc.stderr
     loaded = normfold.load(out)
-    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight and type(loaded.lm_head) is torch.nn.Linear
     assert torch.equal(logits(loaded), logits(conv))
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
 

@@ -4,6 +4,7 @@
 """
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -21,8 +22,13 @@ transformers.logging.set_verbosity_error()
 
 @pytest.fixture(autouse=True)
 def _pack_float64_too(monkeypatch):
-    """The packed form runs in bfloat16 only (where it pays); float64 too here, to check it exactly."""
+    """The packed form runs in bfloat16 only (where it pays); float64 too here, to check it exactly. The
+    conversions here make the older tied form (centred table, nn.TiedHead) that checkpoints written before the
+    Recenter form carry, and that fold_final still makes: `--to rmsnorm` now keeps the original table and a
+    stock head by default (tests/test_ties.py)."""
     monkeypatch.setattr(tied, "AUG_DTYPES", frozenset({torch.bfloat16, torch.float64}))
+    _convert = importlib.import_module("normfold.convert")  # the module (the package attribute is the function)
+    monkeypatch.setattr(_convert, "recentre_tied_tables", lambda model, plan, options: plan)
 
 
 def test_packed_dtypes_are_where_it_was_measured_to_pay(monkeypatch):

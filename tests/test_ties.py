@@ -1,11 +1,15 @@
-"""Tied embedding / head kept tied by `--to rmsnorm` (issue 24 item 1).
+"""Tied embedding / head kept tied by `--to rmsnorm` (issue 24 item 1 and its follow-up).
 
-The converted model centres the shared table (E' = E − μ1ᵀ) and the head (nn.TiedHead) computes the
-original logits from it: z·E'ᵀ + (Σz)·μ (+ bias), z the head input (times the folded γ where the final
-norm's affine went into the head). References are independent: the original model (float64), a
-float64 brute-force product for the module, stock transformers for the untied form.
+The default form: the shared table stays the ORIGINAL tensor, still shared with the stock nn.Linear head,
+and an explicit Recenter after the embedding makes its output zero-mean (structure.recenter_after); the
+final norm keeps its γ/β, so the logits are the original GEMM with no correction and no extra parameter.
+Where the head itself is edited (fold_final folds the final norm's γ into it) the older form stays: the
+table is centred (E' = E − μ1ᵀ) and the head (nn.TiedHead) computes z·E'ᵀ + (Σz)·μ (+ bias); checkpoints
+written with that form (structure.tied_heads) still load. References are independent: the original model
+(float64), a float64 brute-force product for the module, stock transformers for the untied form.
 """
 
+import importlib
 import json
 
 import pytest
@@ -60,8 +64,14 @@ def test_every_tied_family_is_covered():
     assert {"gpt2", "gpt_neo", "opt", "whisper", "gpt_neox", "phi", "falcon"} <= names, names
 
 
+def _old_form(monkeypatch):
+    """Convert as normfold did before the Recenter form: the tied table centred, the head an nn.TiedHead."""
+    _convert = importlib.import_module("normfold.convert")  # the module (the package attribute is the function)
+    monkeypatch.setattr(_convert, "recentre_tied_tables", lambda model, plan, options: plan)
+
+
 @pytest.mark.parametrize("adapter,example,head", CASES, ids=IDS)
-def test_tied_head_is_exact_in_float64_and_adds_at_most_vectors(adapter, example, head):
+def test_tied_table_stays_original_and_head_stays_stock(adapter, example, head):
     model = build(example, head, torch.float64)
     tied = _tied_linear_heads(model)
     inputs = adapter.example_inputs(model, torch.Generator().manual_seed(0))
@@ -70,18 +80,26 @@ def test_tied_head_is_exact_in_float64_and_adds_at_most_vectors(adapter, example
     for name in ref:
         if "logits" in name or "scores" in name:
             assert rel_err(got[name], ref[name]) <= 1e-9, name
-    assert {t["head"] for t in report.structure.tied_heads} == {h for h, _ in tied}
+    assert report.structure.tied_heads == []
     for h, t in tied:
+        assert type(conv.get_submodule(h)) is nn.Linear  # the stock head, no correction term
         assert conv.get_submodule(h).weight is conv.get_submodule(t).weight  # one tensor, not a copy
-        assert isinstance(conv.get_submodule(h), TiedHead)
+        assert torch.equal(conv.get_submodule(t).weight, model.get_submodule(t).weight)  # the original table
+        tables = [n for n, m in conv.named_modules(remove_duplicate=False)
+                  if isinstance(m, nn.Embedding) and m.weight is conv.get_submodule(h).weight]
+        # the output of the embeddings that wrote the stream is re-centred instead (BART's `shared` only
+        # hands the tensor to the encoder's and decoder's embeddings)
+        assert set(report.structure.recenter_after) & set(tables), tables
     before = sum(p.numel() for p in model.parameters())
     after = sum(p.numel() for p in conv.parameters())
+    assert after <= before
+    size = report.to_dict()["size"]
+    assert size["weight_bytes"]["after"] <= size["weight_bytes"]["before"]
+    untied, _ = normfold.convert(model, verify=False, untie=True)
     vocab = [conv.get_submodule(h).out_features for h, _ in tied]
     d = [conv.get_submodule(h).in_features for h, _ in tied]
-    assert after <= before + sum(2 * v + k for v, k in zip(vocab, d))  # mean (+ folded bias, scale) per head
-    untied, _ = normfold.convert(model, verify=False, untie=True)
-    # untie=True (the old default) pays a vocab x d copy per head instead
-    assert sum(p.numel() for p in untied.parameters()) - after >= sum(v * k - 2 * v - k for v, k in zip(vocab, d))
+    # untie=True pays a vocab x d copy per head instead
+    assert sum(p.numel() for p in untied.parameters()) - after >= sum(v * k for v, k in zip(vocab, d))
 
 
 @pytest.mark.parametrize("adapter,example,head", CASES, ids=IDS)
@@ -94,7 +112,7 @@ def test_save_then_normfold_load_gives_the_same_outputs(adapter, example, head, 
     assert not report.stock_reloadable and (out / "normfold_model.safetensors").is_file()
     loaded = normfold.load(out)
     for h, t in _tied_linear_heads(model):
-        assert isinstance(loaded.get_submodule(h), TiedHead)
+        assert type(loaded.get_submodule(h)) is nn.Linear
         assert loaded.get_submodule(h).weight is loaded.get_submodule(t).weight
     assert sum(p.numel() for p in loaded.parameters()) == sum(p.numel() for p in conv.parameters())
     got = run_flat(conv, inputs)
@@ -125,7 +143,8 @@ def test_whisper_generate_unchanged(tmp_path):
     model = build(adapter.examples[0], "WhisperForConditionalGeneration", torch.float64)
     inputs = adapter.example_inputs(model, torch.Generator().manual_seed(0))
     conv, report = normfold.convert(model, verify=False)
-    assert report.structure.tied_heads[0]["head"] == "proj_out"
+    assert "model.decoder.embed_tokens" in report.structure.recenter_after and not report.structure.tied_heads
+    assert type(conv.proj_out) is nn.Linear and conv.proj_out.weight is conv.model.decoder.embed_tokens.weight
     loaded = normfold.load(normfold.save(conv, report, tmp_path / "out"))
     feats = inputs["input_features"].double()
     kw = dict(max_new_tokens=6, do_sample=False, decoder_input_ids=torch.tensor([[1, 2]] * feats.shape[0]))
@@ -145,11 +164,12 @@ def _example(name, example=None):
 @pytest.mark.parametrize("family,example,head", [("gpt2", None, "GPT2LMHeadModel"),
                                                  ("opt", "pre-ln", "OPTForCausalLM"),
                                                  ("phi", "qk-layernorm-eps6", "PhiForCausalLM")])
-@pytest.mark.parametrize("options", [dict(fold_final=True), dict(fold_final=True, allow_new_bias=True),
-                                     dict(keep_affine=True)], ids=["fold-final", "fold-final-new-bias", "keep-affine"])
+@pytest.mark.parametrize("options", [dict(fold_final=True), dict(fold_final=True, allow_new_bias=True)],
+                         ids=["fold-final", "fold-final-new-bias"])
 def test_folded_final_norm_and_head_bias_stay_exact(family, example, head, options, tmp_path):
-    """The final norm's γ (and β, into a bias the head has or grows) folded into a tied head: the head
-    keeps γ as its `scale` and the folded bias; Phi's head has its own bias."""
+    """The final norm's γ (and β, into a bias the head has or grows) folded into a tied head (fold_final: the
+    head is edited, so the older form stays): the head keeps γ as its `scale` and the folded bias; Phi's head
+    has its own bias."""
     adapter, ex = _example(family, example)
     model = build(ex, head, torch.float64)
     inputs = adapter.example_inputs(model, torch.Generator().manual_seed(0))
@@ -162,7 +182,47 @@ def test_folded_final_norm_and_head_bias_stay_exact(family, example, head, optio
     if options.get("allow_new_bias"):
         assert rec["scale"] and rec["bias"]  # γ and β both left the final norm
     loaded = normfold.load(normfold.save(conv, report, tmp_path / "out"))
+    assert isinstance(loaded.get_submodule(rec["head"]), TiedHead)
     assert torch.equal(run_flat(loaded, inputs)["logits"], got["logits"])
+
+
+@pytest.mark.parametrize("family,example,head", [("gpt2", None, "GPT2LMHeadModel"),
+                                                 ("opt", "pre-ln", "OPTForCausalLM"),
+                                                 ("phi", "qk-layernorm-eps6", "PhiForCausalLM")])
+def test_keep_affine_uses_the_recenter_form(family, example, head, tmp_path):
+    adapter, ex = _example(family, example)
+    model = build(ex, head, torch.float64)
+    inputs = adapter.example_inputs(model, torch.Generator().manual_seed(0))
+    conv, report = normfold.convert(model, verify=False, keep_affine=True)
+    (h, t), = _tied_linear_heads(model)
+    assert not report.structure.tied_heads and t in report.structure.recenter_after
+    assert type(conv.get_submodule(h)) is nn.Linear and conv.get_submodule(h).weight is conv.get_submodule(t).weight
+    ref, got = run_flat(model, inputs), run_flat(conv, inputs)
+    assert rel_err(got["logits"], ref["logits"]) <= 1e-9
+    loaded = normfold.load(normfold.save(conv, report, tmp_path / "out"))
+    assert torch.equal(run_flat(loaded, inputs)["logits"], got["logits"])
+
+
+@pytest.mark.parametrize("family,example,head", [("gpt2", None, "GPT2LMHeadModel"),
+                                                 ("whisper", None, "WhisperForConditionalGeneration")])
+def test_checkpoints_of_the_older_tied_head_form_still_load(family, example, head, tmp_path, monkeypatch):
+    """A checkpoint written by normfold before the Recenter form (centred table, nn.TiedHead, its `mean` in
+    the file, structure.tied_heads) loads with normfold.load and computes what it computed."""
+    adapter, ex = _example(family, example)
+    model = build(ex, head, torch.float32)
+    inputs = adapter.example_inputs(model, torch.Generator().manual_seed(0))
+    with monkeypatch.context() as m:
+        _old_form(m)
+        conv, report = normfold.convert(model)
+    assert report.verification["passed"] and report.structure.tied_heads
+    out = normfold.save(conv, report, tmp_path / "old")
+    monkeypatch.undo()
+    loaded = normfold.load(out)
+    (h, t), = _tied_linear_heads(model)
+    assert isinstance(loaded.get_submodule(h), TiedHead) and loaded.get_submodule(h).weight is loaded.get_submodule(t).weight
+    ref, got = run_flat(conv, inputs), run_flat(loaded, inputs)
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
@@ -239,6 +299,42 @@ def test_converted_tied_model_exports(family, example, head, tmp_path):
         base = rel_err(model.float()(ids, use_cache=False).logits, exact)
     assert rel_err(got, eager) <= 1e-5  # the exported graph computes what the module computes
     assert rel_err(got, exact) <= 4 * base + 64 * torch.finfo(torch.float32).eps
+    (h, t), = _tied_linear_heads(model)
+    assert t in report.structure.recenter_after  # the Recenter after the embedding is in the exported graph:
+    ops = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    first = ops.index("aten.embedding.default")
+    assert ops[first + 1:first + 3] == ["aten.mean.dim", "aten.sub.Tensor"]
+
+
+def test_converted_tied_model_exports_to_onnx(tmp_path):
+    """Every op of the default tied form exports: the Recenter hook after the embedding and the stock head."""
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    adapter, ex = _example("gpt2")
+    model = build(ex, "GPT2LMHeadModel", torch.float32)
+    conv, report = normfold.convert(model, verify=False)
+    assert "transformer.wte" in report.structure.recenter_after
+    loaded = normfold.load(normfold.save(conv, report, tmp_path / "out"), fast=False)
+
+    class Logits(nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids):
+            return self.m(ids, use_cache=False).logits
+
+    module = Logits(loaded).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "tied.onnx"
+    torch.onnx.export(module, (ids,), str(path), dynamo=True)
+    onnx.checker.check_model(str(path))
+    sess = ort.InferenceSession(str(path))
+    (out,) = sess.run(None, {sess.get_inputs()[0].name: ids.numpy()})
+    with torch.no_grad():
+        want = model.double()(ids).logits
+        base = rel_err(model.float()(ids).logits, want)
+    assert rel_err(torch.from_numpy(out), want) <= 4 * base + 64 * torch.finfo(torch.float32).eps
 
 
 def test_untie_gives_the_stock_form_that_transformers_reloads(tmp_path):
@@ -268,9 +364,13 @@ def test_report_states_size_and_reload_path():
         assert size["parameters"]["before"] == params and size["weight_bytes"]["before"] == 4 * params
         assert size["weight_bytes"]["after"] == 4 * size["parameters"]["after"]
     vocab, d = model.config.vocab_size, model.config.n_embd
-    assert untied.size["parameters"]["after"] - kept.size["parameters"]["after"] == vocab * d - vocab
-    assert "normfold.load only" in kept.to_dict()["reload"]["how"] and "--untie" in kept.to_dict()["reload"]["how"]
-    assert any("tied" in n and "--untie" in n for n in kept.notes)
+    assert untied.size["parameters"]["after"] - kept.size["parameters"]["after"] == vocab * d
+    assert kept.size["parameters"]["after"] <= params
+    how = kept.to_dict()["reload"]["how"]
+    assert "normfold.load only" in how and "original table with a Recenter" in how and "--untie" in how
+    assert any("tied" in n and "Recenter after transformer.wte" in n and "original" in n and "--untie" in n
+               for n in kept.notes)
+    assert not any("TiedHead" in n for n in kept.notes)
 
 
 @pytest.mark.parametrize("tamper", [
@@ -280,10 +380,11 @@ def test_report_states_size_and_reload_path():
     lambda t: t.update(scale="yes"),  # wrong type
     lambda t: t.update(extra=1),  # unknown field
 ])
-def test_tampered_tied_head_records_are_refused(tamper, tmp_path):
+def test_tampered_tied_head_records_are_refused(tamper, tmp_path, monkeypatch):
     from normfold.errors import CheckpointError
 
     adapter, ex = _example("gpt2")
+    _old_form(monkeypatch)
     conv, report = normfold.convert(build(ex, "GPT2LMHeadModel", torch.float32), verify=False)
     out = normfold.save(conv, report, tmp_path / "out")
     rep = json.loads((out / "normfold.json").read_text())
@@ -302,8 +403,9 @@ def test_cli_default_keeps_the_tie_and_untie_writes_the_stock_form(tmp_path, cap
     text = capsys.readouterr().out
     assert "weight bytes" in text and "on disk" in text and "stock transformers: no; normfold.load: yes" in text
     rep = json.loads((tmp_path / "kept" / "normfold.json").read_text())
-    assert rep["structure"]["tied_heads"] and rep["size"]["disk_bytes"]["before"] > 0
-    assert rep["reload"]["stock_transformers"] is False
+    assert "transformer.wte" in rep["structure"]["recenter_after"] and not rep["structure"]["tied_heads"]
+    assert rep["size"]["disk_bytes"]["before"] > 0 and rep["reload"]["stock_transformers"] is False
+    assert rep["size"]["weight_bytes"]["after"] <= rep["size"]["weight_bytes"]["before"]
     assert main(["convert", str(tmp_path / "src"), "--out", str(tmp_path / "untied"), "--untie", "-q"]) == 0
     text = capsys.readouterr().out
     assert "stock transformers: yes" in text
@@ -325,7 +427,8 @@ def test_streamed_cli_keeps_the_tie_and_untie_streams_the_stock_form(tmp_path, c
     text = capsys.readouterr().out
     assert "on disk" in text and "stock transformers: no; normfold.load: yes" in text
     rep = json.loads((tmp_path / "kept" / "normfold.json").read_text())
-    assert rep["structure"]["tied_heads"] and rep["verification"]["passed"]
+    assert "transformer.wte" in rep["structure"]["recenter_after"] and not rep["structure"]["tied_heads"]
+    assert rep["verification"]["passed"]
     assert rep["size"]["disk_bytes"]["after"] < 1.02 * rep["size"]["disk_bytes"]["before"]
     assert main(["convert", str(tmp_path / "src"), "--out", str(tmp_path / "untied"), "--stream", "always",
                  "--untie", "-q"]) == 0
@@ -341,7 +444,8 @@ def test_streamed_cli_keeps_the_tie_and_untie_streams_the_stock_form(tmp_path, c
 
 def test_train_export_keeps_the_tie(tmp_path):
     """normfold.train: θ trained one step through the prepared model, then exported: the tie stays (one table,
-    the head a TiedHead) and the checkpoint computes the restored LayerNorm model's logits."""
+    the original-form table, the head the stock Linear reading it) and the checkpoint computes the restored
+    LayerNorm model's logits."""
     import copy
 
     from normfold import train
@@ -354,10 +458,12 @@ def test_train_export_keeps_the_tie(tmp_path):
     prepared(ids, labels=ids).loss.backward()
     opt.step()
     conv, report = train.export(prepared, tmp_path / "out")
-    assert report.verification["passed"] and report.structure.tied_heads
+    assert report.verification["passed"] and not report.structure.tied_heads
+    assert "transformer.wte" in report.structure.recenter_after
     plain = train.restore(copy.deepcopy(prepared)).eval()
     loaded = normfold.load(tmp_path / "out")
-    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    assert type(loaded.lm_head) is nn.Linear and loaded.lm_head.weight is loaded.transformer.wte.weight
+    assert torch.equal(loaded.transformer.wte.weight, plain.transformer.wte.weight)  # the trained table itself
     with torch.no_grad():
         assert rel_err(loaded(ids).logits, plain(ids).logits) <= 1e-9
     _, report_u = train.export(prepared, tmp_path / "untied", untie=True)
@@ -434,3 +540,21 @@ def test_tied_head_record_beside_stock_weights_is_refused(tmp_path):
     (out / "normfold.json").write_text(json.dumps(rep))
     with pytest.raises(CheckpointError, match="tied heads"):
         normfold.load(out)
+
+
+def test_fast_path_still_fuses_the_blocks_of_a_tied_model(tmp_path):
+    """normfold.load's fast path on the default tied form: every block fused with its hand-off, no TiedHead to
+    pack (the head is the stock Linear), and the logits those of fast=False to float32 rounding."""
+    from normfold import fastpath
+
+    adapter, ex = _example("gpt2")
+    model = build(ex, "GPT2LMHeadModel", torch.float32)
+    conv, report = normfold.convert(model, verify=False)
+    out = normfold.save(conv, report, tmp_path / "out")
+    fast, plain = normfold.load(out), normfold.load(out, fast=False)
+    stats = fastpath.refresh(fast)
+    assert stats["fused_blocks"] == stats["handoffs"] == model.config.n_layer and stats["packed_tied_heads"] == 0
+    assert type(fast.lm_head) is nn.Linear and fast.lm_head.weight is fast.transformer.wte.weight
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_err(fast(ids).logits, plain(ids).logits) <= 1e-5

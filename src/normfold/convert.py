@@ -11,6 +11,7 @@ into its linear readers, swap LayerNorm -> RMSNorm (same eps), then verify again
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -26,7 +27,7 @@ from .options import ConvertOptions, resolve as resolve_options
 from .modelinfo import working_dtype  # noqa: F401  (re-exported: normfold.convert.working_dtype)
 from .nn import RMSNorm
 from .nn.hooks import add_input_recenter, add_output_recenter
-from .report import ConversionReport, NormRecord, Structure
+from .report import TIE_NOTE, ConversionReport, NormRecord, Structure
 from .verify import CENTERED_OUTPUTS, verify_conversion
 
 Progress = Callable[[str], None]
@@ -369,6 +370,10 @@ def apply_rmsnorm(model: nn.Module, plan: ConversionPlan, options: ConvertOption
                   report: ConversionReport) -> None:
     """Pre-LN -> Pre-RMSNorm on `model` in place (paper 001 §3.1), recording what was done."""
     structure = report.structure
+    rewritten = recentre_tied_tables(model, plan, options)
+    if rewritten is not plan:  # a caller that did not rewrite its plan first (convert and stream do): the note too
+        report.notes += [n for n in rewritten.notes if n not in report.notes]
+    plan = rewritten
     ties = None if options.untie else tie_groups(model, plan)  # before any edit: original row means, γ
     structure.untied = untie(model, edited_params(model, plan, options))
     edited = 0
@@ -396,6 +401,65 @@ def apply_rmsnorm(model: nn.Module, plan: ConversionPlan, options: ConvertOption
         keep_ties(model, plan, ties, report)
     if structure.recenter_after or structure.recenter_before or structure.added_bias or structure.tied_heads:
         report.stock_reloadable = False
+
+
+# ---- tied embedding / head: the table stays the original, its output is re-centred ------------------------
+
+def _tied_tables(model: nn.Module, plan: ConversionPlan, options: ConvertOptions) -> list[str]:
+    """The paths of the centred embedding tables of `plan` that share their
+    weight with a plain linear head the conversion leaves as it is (not folded into, not scaled). Decided
+    from the plan, the options and parameter identity only (no values: meta models too)."""
+    writers = {w for st in plan.streams for w in st.writers}
+    edited = {r for st in plan.streams for site in st.norms if will_fold(site, options) for r in site.readers}
+    edited |= {p for st in plan.streams for pair in st.scale_folds for p in pair}
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    out: list[str] = []
+    for names in by_id.values():
+        if len(names) < 2:
+            continue
+        tables, heads, ok = [], [], True
+        for name in names:
+            path, module, leaf = _module_and_leaf(model, name)
+            if leaf == "weight" and isinstance(module, nn.Embedding) and path not in edited and name not in edited:
+                tables.append(path)
+            elif leaf == "weight" and _is_plain_linear(module) and path not in edited and name not in edited \
+                    and path not in writers:
+                heads.append(path)
+            else:
+                ok = False
+        centred = [t for t in tables if t in writers]
+        if ok and heads and centred:
+            out += [t for t in centred if t not in out]
+    return out
+
+
+def recentre_tied_tables(model: nn.Module, plan: ConversionPlan, options: ConvertOptions) -> ConversionPlan:
+    """The plan with every tied embedding table that a head reads unchanged (`_tied_tables`) moved from the
+    stream's writers to its `recenter_after`: the table stays the original tensor, still shared with the stock
+    head (logits are the original GEMM, no correction, no extra parameter), and an explicit Recenter after the
+    embedding makes its output zero-mean (Recenter(E[ids]) = (E·C)[ids], the centred table's rows, exactly in
+    real arithmetic). Applies to `--to rmsnorm` without `untie` (Pre-CRMSNorm, rotation and --untie untie the
+    head first); a head the final norm's γ is folded into (fold_final) keeps the nn.TiedHead form. Idempotent:
+    a plan already rewritten has no tied table among its writers. `normfold.stream` calls it on its plan too,
+    so both paths make the same edits."""
+    if options.untie or options.to not in (None, "rmsnorm"):
+        return plan
+    moved = _tied_tables(model, plan, options)
+    if not moved:
+        return plan
+    plan = copy.copy(plan)
+    plan.streams = [dataclasses.replace(
+        st, writers=[w for w in st.writers if w not in moved],
+        recenter_after=list(st.recenter_after) + [t for t in st.writers if t in moved and t not in st.recenter_after])
+        for st in plan.streams]
+    plan.notes = list(plan.notes) + [
+        f"{TIE_NOTE}: the table stays the original (uncentred) tensor shared with the stock head; "
+        f"its output is re-centred instead (Recenter after {', '.join(moved)}), so the logits are the original GEMM "
+        "with no correction term and no extra parameter; the checkpoint loads with normfold.load. --untie "
+        "(untie=True) writes the untied plain-transformers form that stock transformers reloads"]
+    return plan
 
 
 # ---- tied embedding / head: kept tied (nn.TiedHead) ---------------------------------------------------
@@ -475,7 +539,9 @@ def _kind(kinds: dict[str, str], name: str) -> str:
 
 
 def keep_ties(model: nn.Module, plan: ConversionPlan, ties: "Ties", report: ConversionReport) -> None:
-    """Undo the untying of `apply_rmsnorm` without changing the function (in place).
+    """Undo the untying of `apply_rmsnorm` without changing the function (in place). A table whose head the
+    conversion leaves as it is never gets here: `recentre_tied_tables` kept it the original, untouched and
+    still tied (a Recenter after the embedding instead); what is left is a head that was edited (fold_final).
 
     A group that no edit changed is simply shared again (bias pairs, tables that were not edited). A
     table tied to heads: every embedding alias shares the centred table E' again (one the plan does
@@ -644,12 +710,14 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
     `rotate_online`: also an online Hadamard before every MLP down-projection (exact; the checkpoint then
     needs `normfold.load`).
 
-    A head tied to an embedding table the conversion centres stays tied (`nn.TiedHead`: the centred
-    table plus its row means, loads with normfold.load); `untie=True` gives the head its own copy of
-    the table instead (plain `transformers` form, stock-reloadable, V×d more parameters).
+    A head tied to an embedding table stays tied (loads with normfold.load): the table stays the original
+    tensor, the head the stock Linear reading it, and a Recenter after the embedding centres its output
+    (`recentre_tied_tables`); a head that takes the final norm's γ (`fold_final`) reads the centred table
+    plus its row means instead (`nn.TiedHead`). `untie=True` gives the head its own copy of the table
+    (plain `transformers` form, stock-reloadable, V×d more parameters).
 
     `fast` (default True) applies `normfold.fastpath` to the result, as `normfold.load` does: the
-    residual add fused with the next norm in supported blocks, padded Pre-CRMS writers, bfloat16 tied heads
+    residual add fused with the next norm in supported blocks, padded Pre-CRMS writers, bfloat16 `nn.TiedHead`s
     packed into one GEMM (`nn.TiedHead.pack`). They change
     how the model computes (rounding only), not its parameters; fast=False leaves them out.
 
@@ -710,7 +778,7 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
     if adapter.check is not None:
         adapter.check(model)
     check_finite(model)
-    plan = adapter.plan(model)
+    plan = recentre_tied_tables(model, adapter.plan(model), options)
     warn = _dropout_warning(model)
     report = ConversionReport(variant=to, adapter=adapter.name, architecture=type(model).__name__,
                               dtype=str(working_dtype(model)).replace("torch.", ""),

@@ -29,8 +29,10 @@ class ConvertOptions:
         β stays in the RMSNorm when some reader has no bias.
     pad: Pre-CRMSNorm only: keep width d with a zero last coordinate instead of d−1 (every shape kept).
     untie: give a head tied to an edited embedding table its own copy of the table (the plain
-        `transformers` form, stock-reloadable, V×d more parameters). By default the tie is kept: the head
-        becomes an `nn.TiedHead` reading the centred table plus its row means (loads with normfold.load).
+        `transformers` form, stock-reloadable, V×d more parameters). By default the tie is kept (loads with
+        normfold.load): `--to rmsnorm` keeps the original table and the stock head and recentres the
+        embedding's output (a Recenter after it); a head that takes the final norm's γ (fold_final) becomes
+        an `nn.TiedHead` reading the centred table plus its row means.
     rotate: "hadamard" or "orthogonal": after the Pre-RMSNorm conversion, rotate each residual stream by
         an orthogonal Q that fixes the all-ones direction (`normfold.rotate`, docs/rotation.md); None: no rotation.
     rotate_seed: the seed of a random rotation.

@@ -21,6 +21,10 @@ READABLE_FORMATS = (1, 2)
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
 
 
+
+# how the note of a tied embedding/head kept in the Recenter form begins (convert.recentre_tied_tables)
+TIE_NOTE = "tied embedding/head kept tied"
+
 @dataclass
 class NormRecord:
     """A converted norm: its module path, new type and which parts of its affine it still holds."""
@@ -106,6 +110,12 @@ class ConversionReport:
     def converted(self) -> list[NormRecord]:
         return self.structure.norms
 
+    @property
+    def keeps_tie(self) -> bool:
+        """A tied embedding/head kept tied: the original table with a Recenter after the embedding (the
+        conversion's note says which), or a head tied to the centred table (nn.TiedHead, older form)."""
+        return bool(self.structure.tied_heads) or any(n.startswith(TIE_NOTE) for n in self.notes)
+
     def reload(self) -> dict:
         """Which loaders read the saved checkpoint and compute the converted function."""
         if self.stock_reloadable:
@@ -116,6 +126,9 @@ class ConversionReport:
             if self.structure.tied_heads:
                 how += ("; a tied head is kept tied to the centred table (nn.TiedHead), which stock transformers "
                         "cannot express: --untie / untie=True writes the stock-reloadable form")
+            elif self.keeps_tie:
+                how += ("; a tied head is kept tied to the original table with a Recenter after the embedding, which "
+                        "stock transformers cannot express: --untie / untie=True writes the stock-reloadable form")
         return {"stock_transformers": self.stock_reloadable, "normfold_load": True, "how": how}
 
     def to_dict(self) -> dict[str, Any]:

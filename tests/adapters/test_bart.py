@@ -56,13 +56,13 @@ def test_trained_like_bart_converts_only_the_embedding_norms():
     assert len(kept) == 2 * 2 + 3 * 3 and all("Post-LN" in r for r in kept.values())
     assert "model.encoder.layernorm_embedding" in kept["model.encoder.layers.0.self_attn_layer_norm"]
     assert "layers.1.encoder_attn_layer_norm" in kept["model.decoder.layers.1.final_layer_norm"]
-    # the branch writers are left alone (nothing to gain), the tables are centred, lm_head stays tied to them
-    assert report.centered == ["model.encoder.embed_tokens", "model.encoder.embed_positions",
-                               "model.decoder.embed_tokens", "model.decoder.embed_positions"]
-    # one table: shared, encoder, decoder and lm_head (an nn.TiedHead adding back the row means)
+    # the branch writers are left alone (nothing to gain), the position tables are centred; the token table
+    # stays the original, tied to lm_head, and a Recenter after each embedding centres its output
+    assert report.centered == ["model.encoder.embed_positions", "model.decoder.embed_positions"]
+    assert report.structure.recenter_after == ["model.encoder.embed_tokens", "model.decoder.embed_tokens"]
+    # one table: shared, encoder, decoder and lm_head (the stock head)
     assert conv.lm_head.weight is conv.model.decoder.embed_tokens.weight is conv.model.shared.weight
-    full = conv.lm_head.weight.double() + conv.lm_head.mean.double()[:, None]
-    assert (full - model.lm_head.weight.double()).abs().max() <= 1e-15
+    assert type(conv.lm_head) is torch.nn.Linear and torch.equal(conv.lm_head.weight, model.lm_head.weight)
     assert not report.stock_reloadable and any("no measurable speed-up" in n for n in report.notes)
     untied, report_u = normfold.convert(model, verify=False, untie=True)  # the stock-reloadable form
     assert untied.lm_head.weight is not untied.model.decoder.embed_tokens.weight

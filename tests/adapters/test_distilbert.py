@@ -46,7 +46,7 @@ def test_kept_reasons_and_edits():
     reasons = {k["name"]: k["reason"] for k in report.kept}
     assert "vocab_transform" in reasons["vocab_layer_norm"]
     assert_only_edited(model, conv, {"distilbert.embeddings."})
-    # the projector stays tied to the centred word table (nn.TiedHead adds back the row means)
+    # the projector stays tied to the original word table (a Recenter after it centres its output)
     assert_tied_head_keeps_the_original_matrix(conv.vocab_projector, conv.distilbert.embeddings.word_embeddings,
                                                model.vocab_projector.weight)
 

@@ -105,10 +105,11 @@ def test_structure_after_conversion():
     assert not any(isinstance(m, torch.nn.LayerNorm) for m in conv.modules())
     assert isinstance(t.h[0].ln_1, RMSNorm) and t.h[0].ln_1.weight is None and t.h[0].ln_1.bias is None
     assert t.ln_f.weight is not None and t.ln_f.bias is not None  # final norm keeps its affine
-    # the tie is kept: the head reads the centred table itself (plus its row means)
+    # the tie is kept: the table stays the original, the stock head reads it, a Recenter centres wte's output
     assert conv.lm_head.weight is t.wte.weight and conv.config.tie_word_embeddings is True
-    assert report.structure.tied_heads == [{"head": "lm_head", "table": "transformer.wte", "scale": False,
-                                            "bias": False}]
+    assert type(conv.lm_head) is torch.nn.Linear and torch.equal(t.wte.weight, model.transformer.wte.weight)
+    assert report.structure.tied_heads == [] and report.structure.recenter_after == ["transformer.wte"]
+    assert "transformer.wte" not in report.centered and "transformer.wpe" in report.centered
     untied, report_u = normfold.convert(model, verify=False, untie=True)  # the plain-transformers form
     assert untied.lm_head.weight is not untied.transformer.wte.weight and untied.config.tie_word_embeddings is False
     assert report_u.stock_reloadable and not report.stock_reloadable

@@ -36,7 +36,7 @@ def test_fused_c_attn_is_folded(mqa):
     g, b = model.transformer.h[0].ln_1.weight, model.transformer.h[0].ln_1.bias
     new = conv.transformer.h[0].attn.c_attn
     assert torch.allclose(new.weight, c_attn.weight * g) and torch.allclose(new.bias, c_attn.bias + c_attn.weight @ b)
-    assert conv.lm_head.weight is conv.transformer.wte.weight  # kept tied to the centred table (nn.TiedHead)
+    assert conv.lm_head.weight is conv.transformer.wte.weight  # kept tied to the original table
     assert_norm_inputs_zero_mean(conv, INPUTS)
     assert_stream_zero_mean(conv, INPUTS)
 

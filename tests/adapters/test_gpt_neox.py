@@ -68,7 +68,8 @@ def test_tied_embeddings_stay_tied_and_eps_carried():
     assert lm.lm_head.weight is lm.gpt_neox.embed_in.weight
     conv, report = assert_exact(lm, INPUTS)
     assert conv.lm_head.weight is conv.gpt_neox.embed_in.weight and conv.config.tie_word_embeddings is True
-    assert report.structure.untied == [] and report.structure.tied_heads[0]["head"] == "lm_head"
+    assert report.structure.untied == [] and report.structure.recenter_after == ["gpt_neox.embed_in"]
+    assert type(conv.lm_head) is torch.nn.Linear and torch.equal(conv.lm_head.weight, lm.lm_head.weight)
     conv, report = assert_exact(lm, INPUTS, untie=True)  # the plain form
     assert conv.lm_head.weight is not conv.gpt_neox.embed_in.weight and conv.config.tie_word_embeddings is False
     assert "lm_head.weight" in report.structure.untied

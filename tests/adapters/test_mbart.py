@@ -38,11 +38,13 @@ def test_structure():
         ln = tower.layernorm_embedding
         assert isinstance(ln, RMSNorm) and ln.weight is not None and has_output_recenter(ln)
         assert tower.layers[0].self_attn_layer_norm.weight is None and tower.layer_norm.weight is not None
-    assert report.structure.recenter_after == ["model.encoder.layernorm_embedding", "model.decoder.layernorm_embedding"]
+    assert report.structure.recenter_after == ["model.encoder.layernorm_embedding", "model.encoder.embed_tokens",
+                                               "model.decoder.layernorm_embedding", "model.decoder.embed_tokens"]
     assert not report.stock_reloadable
     site = next(s for s in get_adapter("mbart").plan(model).streams[0].norms if s.path == "model.encoder.layer_norm")
     assert site.final and len(site.readers) == 2 * 2 and all("encoder_attn" in r for r in site.readers)
-    assert conv.lm_head.weight is conv.model.decoder.embed_tokens.weight  # kept tied (nn.TiedHead)
+    assert conv.lm_head.weight is conv.model.decoder.embed_tokens.weight  # kept tied: the original table
+    assert type(conv.lm_head) is torch.nn.Linear and torch.equal(conv.lm_head.weight, model.lm_head.weight)
     assert rel_err(logits(conv), logits(model)) <= 1e-9
 
 

@@ -49,10 +49,12 @@ def test_pre_ln_structure():
     assert layernorms(conv) == []
     layer = conv.model.decoder.layers[0]
     assert layer.self_attn_layer_norm.weight is None and layer.final_layer_norm.weight is None
-    assert set(report.centered) >= {"model.decoder.embed_tokens", "model.decoder.embed_positions"}
-    # the table is centred; the head stays tied to it and adds back the row means (nn.TiedHead)
-    assert conv.lm_head.weight is conv.model.decoder.embed_tokens.weight
-    assert [t["head"] for t in report.structure.tied_heads] == ["lm_head"] and not report.stock_reloadable
+    assert "model.decoder.embed_positions" in report.centered and "model.decoder.embed_tokens" not in report.centered
+    # the tied table stays the original (a Recenter after it centres its output); the head is the stock Linear
+    assert conv.lm_head.weight is conv.model.decoder.embed_tokens.weight and type(conv.lm_head) is torch.nn.Linear
+    assert torch.equal(conv.lm_head.weight, model.lm_head.weight)
+    assert report.structure.recenter_after == ["model.decoder.embed_tokens"] and not report.structure.tied_heads
+    assert not report.stock_reloadable
     assert_stream_zero_mean(conv, INPUTS)
 
 

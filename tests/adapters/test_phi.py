@@ -64,7 +64,7 @@ def test_tied_lm_head_with_bias_and_eps():
     model = make(PhiConfig, PhiForCausalLM, tie_word_embeddings=True, layer_norm_eps=1e-6, **CFG)
     assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.bias is not None
     conv, _ = assert_exact(model, INPUTS)
-    assert conv.lm_head.weight is conv.model.embed_tokens.weight  # kept tied; its own bias kept (nn.TiedHead)
+    assert conv.lm_head.weight is conv.model.embed_tokens.weight  # kept tied: the stock head, its own bias kept
     assert torch.equal(conv.lm_head.bias, model.lm_head.bias)
     untied, _ = assert_exact(model, INPUTS, untie=True)
     assert untied.lm_head.weight is not untied.model.embed_tokens.weight

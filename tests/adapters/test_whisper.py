@@ -42,15 +42,16 @@ def test_structure():
     enc, dec = conv.model.encoder, conv.model.decoder
     assert not any(isinstance(m, torch.nn.LayerNorm) for m in conv.modules()) and report.kept == []
     assert report.structure.recenter_before == ["model.encoder.layers.0"] and has_input_recenter(enc.layers[0])
-    assert not report.stock_reloadable and report.structure.recenter_after == []
-    # the stem is not edited (the Recenter handles it); the decoder's tables are centred
+    assert not report.stock_reloadable and report.structure.recenter_after == ["model.decoder.embed_tokens"]
+    # the stem is not edited (the Recenter handles it); the decoder's positions are centred, its token table
+    # (tied to proj_out) stays the original and a Recenter after it centres its output
     assert torch.equal(enc.conv1.weight, model.model.encoder.conv1.weight)
     assert "model.encoder.embed_positions" not in report.centered
-    assert {"model.decoder.embed_tokens", "model.decoder.embed_positions",
-            "model.decoder.layers.1.encoder_attn.out_proj"} <= set(report.centered)
-    # proj_out was tied to embed_tokens: it stays tied to the centred table (nn.TiedHead adds the row means)
+    assert {"model.decoder.embed_positions", "model.decoder.layers.1.encoder_attn.out_proj"} <= set(report.centered)
+    assert "model.decoder.embed_tokens" not in report.centered
+    # proj_out was tied to embed_tokens: it stays the stock head tied to the original table
     assert conv.proj_out.weight is dec.embed_tokens.weight and conv.config.tie_word_embeddings
-    assert torch.allclose(conv.proj_out.weight + conv.proj_out.mean[:, None], model.proj_out.weight)
+    assert type(conv.proj_out) is torch.nn.Linear and torch.equal(conv.proj_out.weight, model.proj_out.weight)
     untied, _ = normfold.convert(model, verify=False, untie=True)  # the plain-transformers form
     assert untied.proj_out.weight is not untied.model.decoder.embed_tokens.weight
     assert torch.equal(untied.proj_out.weight, model.proj_out.weight)

@@ -47,9 +47,9 @@ def test_convert_writes_a_verified_checkpoint(tiny_dir, tmp_path, capsys):
     rep = json.loads((out / "normfold.json").read_text())
     assert rep["verification"]["passed"] and rep["verification"]["fp64"]["max_rel_error"] <= 1e-9
     assert rep["source"]["model"] == str(tiny_dir)
-    # the tiny GPT-2 is tied: the head stays tied to the centred table, a normfold-only checkpoint
+    # the tiny GPT-2 is tied: the head stays tied to the original table (a Recenter after wte), normfold-only
     assert (out / "normfold_model.safetensors").exists() and (out / "config.json").exists()
-    assert rep["structure"]["tied_heads"] and "stock transformers: no; normfold.load: yes" in stdout
+    assert "transformer.wte" in rep["structure"]["recenter_after"] and "stock transformers: no; normfold.load: yes" in stdout
     assert "parameters" in stdout and "weight bytes" in stdout and "on disk" in stdout
 
 

@@ -303,7 +303,7 @@ def test_reused_buffers_and_embedding_rows_change_nothing(tmp_path, monkeypatch)
 @pytest.mark.parametrize("untie", [False, True], ids=["tied-head", "linear-head"])
 def test_large_head_runs_in_row_chunks_in_float64(tmp_path, monkeypatch, untie):
     """A head whose matrix is larger than a block (the vocabulary × width table) runs over row chunks in the
-    float64 passes of a float32 checkpoint, both the original's nn.Linear and the converted nn.TiedHead (or
+    float64 passes of a float32 checkpoint, both the original's nn.Linear and the converted one (tied to the table, or
     untied nn.Linear): no float64 copy of the whole table, and the same verdict and errors (to the float64
     summation blocking) as the whole-table run, against the in-memory verification."""
     ex = get_adapter("gpt2").examples[0]

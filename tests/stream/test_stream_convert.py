@@ -55,17 +55,22 @@ def test_streamed_bytes_equal_in_memory(tmp_path, family, head):
 
 
 def test_sharded_bf16_tied_head_kept_equals_in_memory(tmp_path, monkeypatch):
-    """The default keeps lm_head tied (nn.TiedHead): one normfold_model.safetensors, byte-identical to the
-    in-memory conversion, no lm_head.weight copy, and normfold.load computes the in-memory logits."""
+    """The default keeps lm_head tied to the original table (Recenter after transformer.wte, stock head): one
+    normfold_model.safetensors, byte-identical to the in-memory conversion, the table stored once and
+    uncentred (the source's bytes), no lm_head copy or correction vector, and normfold.load computes the
+    in-memory logits."""
     monkeypatch.setattr(stream_compute, "CHUNK_BYTES", 2048)
     example = get_adapter("gpt2").examples[0]
     src = make_checkpoint(example, "GPT2LMHeadModel", tmp_path / "src", dtype=torch.bfloat16, shard="8KB")
     conv, mem_report = _in_memory(src, tmp_path / "mem")
     report = _streamed(src, tmp_path / "st")
-    assert report.structure.tied_heads == mem_report.structure.tied_heads != []
+    assert report.structure.tied_heads == mem_report.structure.tied_heads == []
+    assert "transformer.wte" in report.structure.recenter_after
+    assert report.structure.recenter_after == mem_report.structure.recenter_after
     assert tensors_bytes(tmp_path / "mem") == tensors_bytes(tmp_path / "st")
-    names = set(tensors_bytes(tmp_path / "st"))
-    assert "lm_head.mean" in names and "lm_head.weight" not in names
+    written = tensors_bytes(tmp_path / "st")
+    assert not any(n.startswith("lm_head.") for n in written)
+    assert written["transformer.wte.weight"] == tensors_bytes(src)["transformer.wte.weight"]  # the original table
     loaded = normfold.load(tmp_path / "st")
     ids = torch.randint(0, example.kwargs.get("vocab_size", 50), (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -206,3 +211,38 @@ def test_gpt2_xl_width_bytes_equal_in_memory(tmp_path, dtype):
     streamed = tensors_bytes(tmp_path / "st")
     _in_memory(tmp_path / "src", tmp_path / "mem")
     assert streamed == tensors_bytes(tmp_path / "mem")
+
+
+TIED = [("gpt2", "tied", "GPT2LMHeadModel"), ("gpt_neo", None, "GPTNeoForCausalLM"), ("opt", "pre-ln", "OPTForCausalLM"),
+        ("whisper", None, "WhisperForConditionalGeneration"), ("mbart", None, "MBartForConditionalGeneration"),
+        ("bart", None, "BartForConditionalGeneration"), ("roberta", "xlm-roberta", "XLMRobertaForMaskedLM"),
+        ("bert", None, "BertForMaskedLM")]
+
+
+@pytest.mark.parametrize("family,example,head", TIED, ids=[f"{f}-{h}" for f, _, h in TIED])
+def test_streamed_tied_families_keep_the_original_table_like_in_memory(tmp_path, family, example, head):
+    """Every tied family streamed: the same bytes as in memory, the tied table written once and unchanged (the
+    source's bytes), no head copy or correction vector, a Recenter after the embedding instead."""
+    a = get_adapter(family)
+    ex = a.examples[0] if example is None else next(e for e in a.examples if e.name == example)
+    src = make_checkpoint(ex, head, tmp_path / "src")
+    conv, mem_report = _in_memory(src, tmp_path / "mem")
+    report = _streamed(src, tmp_path / "st")
+    assert report.structure.tied_heads == mem_report.structure.tied_heads == []
+    assert report.structure.recenter_after == mem_report.structure.recenter_after != []
+    assert [n for n in report.notes if "Recenter after" in n] == [n for n in mem_report.notes if "Recenter after" in n] != []
+    mem, st = tensors_bytes(tmp_path / "mem"), tensors_bytes(tmp_path / "st")
+    assert mem == st
+    source = tensors_bytes(src)
+    tied = {id(m.weight) for n, m in conv.named_modules(remove_duplicate=False)
+            if isinstance(m, torch.nn.Embedding) and n in report.structure.recenter_after}
+    saved = [n for n in st if n.endswith(".weight")
+             and id(getattr(conv.get_submodule(n.rpartition(".")[0]), "weight", None)) in tied]
+    assert len(saved) == len(tied) >= 1 and all(st[n] == source[n] for n in saved), saved  # once, unchanged
+    assert not any(n.endswith(".mean") for n in st)
+    loaded = normfold.load(tmp_path / "st")
+    inputs = a.example_inputs(loaded, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = loaded(**inputs), conv(**inputs)
+    key = "logits" if getattr(want, "logits", None) is not None else "last_hidden_state"
+    assert torch.equal(getattr(got, key), getattr(want, key))

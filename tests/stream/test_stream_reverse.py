@@ -5,6 +5,8 @@ the directions that do not stream are refused with StreamUnsupportedError."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -83,11 +85,20 @@ def test_streamed_reverse_equals_in_memory_and_reloads_stock(tmp_path, family, h
     assert (got - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
 
 
-def test_streamed_reverse_restores_the_stock_tie(tmp_path):
+@pytest.mark.parametrize("old_form", [False, True], ids=["recenter-form", "tiedhead-form"])
+def test_streamed_reverse_restores_the_stock_tie(tmp_path, monkeypatch, old_form):
+    """From the default form (original table, Recenter after wte) and from checkpoints of the older form (a
+    head kept tied to the centred table, nn.TiedHead): the stock tie, equal bytes streamed and in memory."""
     src = _source(tmp_path, "gpt2", "GPT2LMHeadModel")
-    rms = _forward(tmp_path, src, False)
-    assert normfold.io.read_report(rms).structure.tied_heads  # a head kept tied to the centred table
-    _reverse_both(tmp_path, rms)
+    with monkeypatch.context() as m:
+        if old_form:
+            m.setattr(importlib.import_module("normfold.convert"), "recentre_tied_tables",
+                      lambda model, plan, options: plan)
+        rms = _forward(tmp_path, src, False)
+    structure = normfold.io.read_report(rms).structure
+    assert bool(structure.tied_heads) == old_form and ("transformer.wte" in structure.recenter_after) != old_form
+    mem_report, report = _reverse_both(tmp_path, rms)
+    assert tensors_bytes(tmp_path / "mem") == tensors_bytes(tmp_path / "st")
     names = set(tensors_bytes(tmp_path / "st"))
     assert "lm_head.mean" not in names and "lm_head.weight" not in names and "transformer.wte.weight" in names
 

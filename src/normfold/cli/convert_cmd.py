@@ -89,7 +89,8 @@ def add_parser(sub) -> None:
     p.add_argument("--untie", action="store_true",
                    help="give a head tied to the embedding table its own copy of the table: the plain transformers "
                         "form that stock from_pretrained reloads (vocab x d more parameters). By default the tie is "
-                        "kept (the head reads the centred table plus its row means; loads with normfold.load)")
+                        "kept (the original table and the stock head, a Recenter after the embedding; with --fold-final the "
+                        "head reads the centred table plus its row means; loads with normfold.load)")
     p.add_argument("--pad", action="store_true",
                    help="--to crmsnorm: keep every tensor d-wide with a zero last stream coordinate instead of d-1 "
                         "(paper 001 §3.4.2, for hardware that handles d-1 poorly)")
@@ -354,7 +355,7 @@ def summary(report, written, args) -> str:
         ["reload", ("stock transformers: yes (from_pretrained); normfold.load: yes" if report.stock_reloadable
                     else "stock transformers: no; normfold.load: yes"
                     + (" (tied head kept; --untie for a stock-reloadable checkpoint)"
-                       if report.structure.tied_heads else " (see notes)"))],
+                       if report.keeps_tie else " (see notes)"))],
     ]
     rows += _size_rows(report.size)
     lines.append(table(rows))

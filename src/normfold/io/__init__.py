@@ -211,7 +211,19 @@ def export_state_dict(model: nn.Module, report: ConversionReport) -> dict[str, t
                 state[f"{rec.name}.weight"] = torch.ones(shape, dtype=dtype)
             if rec.stock_bias and f"{rec.name}.bias" not in state:
                 state[f"{rec.name}.bias"] = torch.zeros(shape, dtype=dtype)
-    return _dedupe(state)
+    return _dedupe(state, retied_names(model))
+
+
+def retied_names(model: nn.Module) -> set[str]:
+    """The parameter names transformers ties again on load from the config (`all_tied_weights_keys`' keys:
+    the heads of tied embedding/head pairs): where a tensor is shared, the name saved is another one."""
+    return set(getattr(model, "all_tied_weights_keys", None) or {})
+
+
+def saved_names(aliases: list[list[str]], retied: set[str]) -> set[str]:
+    """For each group of names sharing one tensor, the one name saved: the first that transformers does not
+    tie again from the config (the embedding, not the head), else the first."""
+    return {next((n for n in names if n not in retied), names[0]) for names in aliases}
 
 
 def _float_dtype(model: nn.Module) -> torch.dtype:
@@ -220,19 +232,16 @@ def _float_dtype(model: nn.Module) -> torch.dtype:
     return working_dtype(model)
 
 
-def _dedupe(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses shared storage: keep the first name of each tied tensor (transformers
+def _dedupe(state: dict[str, torch.Tensor], retied: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """safetensors refuses shared storage: keep one name of each tied tensor (`saved_names`; transformers
     re-ties the others from the config)."""
-    seen: dict[tuple, str] = {}
-    out = {}
+    groups: dict[tuple, list[str]] = {}
     for name, t in state.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype) if t.numel() else None
-        if key is not None and key in seen:
-            continue
-        if key is not None:
-            seen[key] = name
-        out[name] = t.contiguous().cpu()
-    return out
+        if t.numel():
+            groups.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype),
+                              []).append(name)
+    keep = saved_names(list(groups.values()), retied)
+    return {name: t.contiguous().cpu() for name, t in state.items() if not t.numel() or name in keep}
 
 
 def save(model: nn.Module, report: ConversionReport, out: str | os.PathLike, *, force: bool = False,

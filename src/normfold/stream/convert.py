@@ -44,7 +44,7 @@ from torch import nn
 
 from .. import checkpoint
 from ..adapters import find_adapter
-from ..convert import VARIANTS, centered_outputs, edited_params, kept_norms, layernorm_names
+from ..convert import VARIANTS, centered_outputs, edited_params, kept_norms, layernorm_names, recentre_tied_tables
 from ..convert import untie as untie_params
 from ..errors import NormfoldError
 from ..modelinfo import working_dtype
@@ -120,7 +120,7 @@ def prepare(source_dir: str | os.PathLike, *, to: str | None = None, options: Co
     adapter = find_adapter(original)
     if adapter.check is not None:
         adapter.check(original)
-    plan = adapter.plan(original)
+    plan = recentre_tied_tables(original, adapter.plan(original), options)  # as normfold.convert does
     return Prepared(source, dtype, original, names, adapter, plan, options)
 
 

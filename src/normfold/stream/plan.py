@@ -219,12 +219,14 @@ class OutTensor:
 def output_tensors(model: nn.Module, report: ConversionReport) -> list[OutTensor]:
     """io.export_state_dict on a meta model: same names, dtypes and shapes (tied aliases by identity,
     since meta tensors share no storage to compare)."""
-    seen, out = set(), {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) in seen and t.numel():
-            continue
-        seen.add(id(t))
-        out[name] = OutTensor(name, t.dtype, tuple(t.shape))
+    state = model.state_dict(keep_vars=True)
+    groups: dict[int, list[str]] = {}
+    for name, t in state.items():
+        if t.numel():
+            groups.setdefault(id(t), []).append(name)
+    keep = io.saved_names(list(groups.values()), io.retied_names(model))
+    out = {name: OutTensor(name, t.dtype, tuple(t.shape)) for name, t in state.items()
+           if not t.numel() or name in keep}
     if report.stock_reloadable:
         for rec in report.structure.norms:
             norm = get(model, rec.name)

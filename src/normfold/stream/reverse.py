@@ -226,11 +226,14 @@ def stream_reverse(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     outputs: list[OutTensor] = []
     names: dict[str, str] = {}
     tables: dict[str, tuple[str, str]] = {}
-    seen: set[int] = set()
+    groups: dict[int, list[str]] = {}
     for name, t in lnstate.items():
-        if id(t) in seen and t.numel():
+        if t.numel():
+            groups.setdefault(id(t), []).append(name)
+    keep = io.saved_names(list(groups.values()), io.retied_names(ln))  # as io.save picks them
+    for name, t in lnstate.items():
+        if t.numel() and name not in keep:
             continue
-        seen.add(id(t))
         if name in specs:
             outputs.append(OutTensor(name, t.dtype, tuple(t.shape)))
         elif name in norm_src:

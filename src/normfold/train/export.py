@@ -20,8 +20,9 @@ def export(model: nn.Module, out: str | os.PathLike, *, to: str | None = None, o
     the model is copied, restored to its LayerNorm form and converted with `normfold.convert`
     (same variant as prepared unless `to` says otherwise, same folding options), verified, and
     saved with `normfold.save`. The prepared model is left as it is. Returns (converted, report).
-    A tied embedding/head stays tied (nn.TiedHead, loads with normfold.load) unless `untie=True` (the
-    untied plain-transformers form, stock-reloadable), as in `normfold.convert`.
+    A tied embedding/head stays tied (the trained table itself, shared with the stock head, a Recenter after
+    the embedding; loads with normfold.load) unless `untie=True` (the untied plain-transformers form,
+    stock-reloadable), as in `normfold.convert`.
 
     `options` / keywords (`normfold.ConvertOptions` fields) choose the checkpoint's form; by default the
     prepared target and fold_final, with convert's own default of folding every affine.
