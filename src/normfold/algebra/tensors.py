@@ -6,12 +6,46 @@ repeated edits of one tensor do not accumulate low-precision rounding.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 from torch import Tensor
+
+_scratch = threading.local()  # this thread's reused buffers (`reused_buffers`), or none
 
 
 def _f64(t: Tensor) -> Tensor:
     return t.detach().to(torch.float64)
+
+
+@contextlib.contextmanager
+def reused_buffers(bufs: dict | None = None):
+    """Inside (this thread only): `fold_affine`'s weight-sized float64 copy and its rounded result live in two
+    buffers reused from call to call instead of fresh memory (a streamed conversion otherwise page-faults over
+    three times each reader weight's size per fold). Same values: copying into float64 is exact, and the
+    rounding copy is the cast `.to` does. The weight returned is a view of the buffer: the caller must use it
+    before the next `fold_affine` (`convert.swap_norm` copies it into the parameter at once). `bufs`: a dict
+    that keeps the buffers from one `with` to the next (a fresh one by default)."""
+    old = getattr(_scratch, "bufs", None)
+    _scratch.bufs = {} if bufs is None else bufs
+    try:
+        yield
+    finally:
+        _scratch.bufs = old
+
+
+def _buffer(slot: str, like: Tensor, dtype: torch.dtype) -> Tensor | None:
+    """A reused contiguous buffer of `like`'s shape in `dtype` inside `reused_buffers`, else None."""
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        return None
+    n = like.numel()
+    buf = bufs.get((slot, dtype))
+    if buf is None or buf.numel() < n:
+        buf = bufs[(slot, dtype)] = None  # the old one freed before the larger one is taken
+        buf = bufs[(slot, dtype)] = torch.empty(n, dtype=dtype)
+    return buf[:n].view(like.shape)
 
 
 def center(t: Tensor, dim: int) -> Tensor:
@@ -59,9 +93,10 @@ def fold_affine(weight: Tensor, bias: Tensor | None, gamma: Tensor | None, beta:
     Returns (W', b'); b' is None only if `bias` is None and β is None. A nonzero β with no reader
     bias yields a new bias tensor: the caller decides whether the module may grow one.
     """
-    w64 = _f64(weight)
     if weight.dim() != 2:
         raise ValueError(f"fold_affine expects a 2-D weight, got shape {tuple(weight.shape)}")
+    w64 = _buffer("w64", weight, torch.float64) if weight.dtype != torch.float64 else None
+    w64 = _f64(weight) if w64 is None else w64.copy_(weight.detach())
     in_dim = in_dim % 2
     new_b = None
     if beta is not None:
@@ -77,15 +112,21 @@ def fold_affine(weight: Tensor, bias: Tensor | None, gamma: Tensor | None, beta:
         # in place on our own float64 copy (one weight-sized float64 temporary, not two); a float64 weight is
         # its own `w64` and must not change
         w64 = w64.mul_(g) if w64.data_ptr() != weight.data_ptr() else w64 * g
-    return w64.to(weight.dtype), new_b
+    out = _buffer("out", weight, weight.dtype) if weight.dtype != torch.float64 else None
+    return (w64.to(weight.dtype) if out is None else out.copy_(w64)), new_b
 
 
 def compress_reader(weight: Tensor, in_dim: int) -> Tensor:
     """Reader of a zero-mean input x ∈ ℝ^d fed only x[:d−1] (paper 001 eq. 6): W_i ← W_i − a_d 1ᵀ,
     then drop the now-zero last input column. x_d = −Σ others makes this exact."""
-    w64 = _f64(weight).movedim(in_dim, -1)
-    out = (w64[..., :-1] - w64[..., -1:]).movedim(-1, in_dim)
-    return out.to(weight.dtype)
+    w = weight.detach().movedim(in_dim, -1)
+    w64 = _buffer("w64", w, torch.float64) if weight.dtype != torch.float64 else None
+    if w64 is None:  # fresh float64 temporaries
+        w64 = w.to(torch.float64)
+        return (w64[..., :-1] - w64[..., -1:]).movedim(-1, in_dim).to(weight.dtype)
+    w64.copy_(w)  # inside reused_buffers: both float64 temporaries reused, the same values (elementwise ops)
+    diff = torch.sub(w64[..., :-1], w64[..., -1:], out=_buffer("d64", w64[..., :-1], torch.float64))
+    return diff.to(weight.dtype).movedim(-1, in_dim)
 
 
 def decompress_reader(weight: Tensor, in_dim: int) -> Tensor:

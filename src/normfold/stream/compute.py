@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..adapters.base import get, parent_and_leaf
-from ..algebra import layout_of
+from ..algebra import layout_of, reused_buffers
 from ..compress.convert import compressed_value, tied_head_mean
 from ..convert import center_writer_at, fold_scales, swap_norm, tied_head_shift, will_fold
 from ..errors import NonFiniteWeightsError
@@ -22,6 +22,7 @@ from .source import Source
 # float64 bytes: the same result (rows are independent), float64 temporaries stay small and in cache
 # (~5x faster than whole-tensor passes on a 2-core machine).
 CHUNK_BYTES = 4 * 1024 * 1024
+SLAB_BYTES = 192 * 1024 * 1024
 
 
 
@@ -35,6 +36,10 @@ class Computer:
         self.compression = compression  # Pre-CRMSNorm: compress's record, applied to each computed tensor
         # a TiedCompressedHead's `mean` output: the row means of the head's original (tied) table
         self.head_means = {f"{t['head']}.mean": f"{t['head']}.weight" for t in (compression or {}).get("tied_heads", [])}
+        # read buffers recycled block after block (st.Slabs): about what is in flight at once (a component read
+        # ahead, one computed, 64 MB queued for the writer)
+        self.slabs = st.Slabs(budget=SLAB_BYTES)
+        self.scratch: dict = {}  # fold_affine's float64 copy and rounded result, reused (algebra.reused_buffers)
 
     def derived(self, name: str) -> torch.Tensor:
         """An output computed from source tensors outside any edit (a tied compressed head's row means, in row
@@ -48,7 +53,7 @@ class Computer:
 
     def _read(self, name: str) -> torch.Tensor:
         src = self.names[name]
-        t = st.read_tensor(self.source.tensors[src])
+        t = st.read_tensor(self.source.tensors[src], self.slabs)
         if t.is_floating_point() and not st.all_finite(t):
             raise NonFiniteWeightsError(f"tensor {src} of {self.source.path} has NaN/inf values; no conversion of it "
                                         "can be exact. Fix or re-download the checkpoint.")
@@ -57,6 +62,12 @@ class Computer:
     def read(self, comp: Component) -> dict[str, torch.Tensor]:
         """The component's parameters read from the checkpoint and checked finite (thread-safe: the reader
         thread runs this for the next component while the main thread computes this one)."""
+        if sum(self.source.tensors[self.names[n]].nbytes for n in comp.params) > self.slabs.largest:
+            # a one-off large component (an embedding table), read while the previous one is computed: the
+            # reused buffers are let go first (they would add to its peak; the main thread keeps any it is using)
+            self.scratch.clear()
+            self.slabs.drop_free()
+            st.trim()
         return {name: self._read(name) for name in comp.params}
 
     def run(self, comp: Component, keys: list[str], tensors: dict[str, torch.Tensor] | None = None
@@ -68,11 +79,13 @@ class Computer:
             parent, leaf = parent_and_leaf(self.model, name)
             setattr(parent, leaf, nn.Parameter(tensors.pop(name), requires_grad=False))
         try:
-            for batch in batches(comp.edits):
-                self._apply(batch)
+            with reused_buffers(self.scratch):
+                for batch in batches(comp.edits):
+                    self._apply(batch)
             out = {k: get(self.model, k).detach() for k in keys}
             if self.compression is not None:
-                out = {k: compressed_value(k, v, self.compression) for k, v in out.items()}
+                with reused_buffers(self.scratch):  # float64 temporaries only: each result is its own tensor
+                    out = {k: compressed_value(k, v, self.compression) for k, v in out.items()}
             return out
         finally:
             for path in comp.modules:  # back to meta: frees the component's memory

@@ -99,6 +99,12 @@ def reuse_freed_memory(budget: int | None = None, mmap_from: int = 1024 * 1024 *
             _LIBC.malloc_trim(0)
 
 
+def trim() -> None:
+    """Hand the free heap back to the system now (malloc_trim; a no-op without glibc)."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
 def trim_if_over() -> None:
     """Hand the free heap back (malloc_trim) if resident memory is over the budget of `reuse_freed_memory`
     (always, outside it)."""
@@ -148,12 +154,71 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict]:
     return out, meta
 
 
-def read_tensor(info: TensorInfo) -> torch.Tensor:
-    """A private copy of one tensor (no memory map: freed when the tensor is)."""
+class Slabs:
+    """Byte buffers recycled across tensors of the same size (a streamed conversion reads the same shapes block
+    after block): a slab is free again once nothing but the pool references its memory (every tensor viewing
+    it is gone: computed, written, dropped), so each block's tensors reuse the previous block's pages instead of
+    page-faulting over fresh memory. Thread-safe (the reader thread takes, the main and writer threads drop).
+    Holds at most `budget` bytes of slabs; slabs above `largest` bytes and anything past the budget (after
+    free slabs of other sizes are dropped) are plain allocations."""
+
+    def __init__(self, budget: int, largest: int = 128 * 1024 * 1024) -> None:
+        import threading
+
+        self.budget, self.largest, self.held = budget, largest, 0
+        self.slabs: dict[int, list[torch.Tensor]] = {}
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if nbytes > self.largest or _use_count is None:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        with self.lock:
+            for slab in self.slabs.get(nbytes, ()):
+                if _free(slab):
+                    return slab.view(torch.uint8)  # a new view: the slab is in use while it lives
+            if self.held + nbytes > self.budget:
+                self._drop_free()
+            if self.held + nbytes > self.budget:
+                return torch.empty(nbytes, dtype=torch.uint8)
+            slab = torch.empty(nbytes, dtype=torch.uint8)
+            slab.pool_uses = _use_count(slab)  # the count when only the pool holds it
+            self.slabs.setdefault(nbytes, []).append(slab)
+            self.held += nbytes
+            return slab.view(torch.uint8)
+
+    def drop_free(self) -> None:
+        """Let go of every slab nothing uses (before a one-off large tensor: they would add to its peak)."""
+        with self.lock:
+            self._drop_free()
+
+    def _drop_free(self) -> None:
+        for size in list(self.slabs):
+            kept = [t for t in self.slabs[size] if not _free(t)]
+            self.held -= (len(self.slabs[size]) - len(kept)) * size
+            self.slabs[size] = kept
+
+
+def _storage_use_count():
+    fn = getattr(torch._C, "_storage_Use_Count", None)
+    if fn is None:
+        return None
+    return lambda t: fn(t.untyped_storage()._cdata)
+
+
+_use_count = _storage_use_count()
+
+
+def _free(slab: torch.Tensor) -> bool:
+    return _use_count(slab) <= slab.pool_uses
+
+
+def read_tensor(info: TensorInfo, slabs: Slabs | None = None) -> torch.Tensor:
+    """A private copy of one tensor (no memory map: freed when the tensor is), in a recycled buffer of `slabs`
+    when given."""
     if info.dtype not in TORCH_DTYPES:
         raise CheckpointError(f"{info.file}: unsupported dtype {info.dtype}")
     # torch.empty, not bytearray: no zero-fill pass over memory the read overwrites anyway
-    raw = torch.empty(info.nbytes, dtype=torch.uint8)
+    raw = torch.empty(info.nbytes, dtype=torch.uint8) if slabs is None else slabs.take(info.nbytes)
     read_into(info.file, info.start, raw)
     return raw.view(TORCH_DTYPES[info.dtype]).reshape(info.shape)
 
