@@ -9,7 +9,8 @@ Candidates (all built as `bench hf` builds them: convert → save → normfold.l
           `s = x + r; layer_norm(s)`: what the kernels cost against aten's LayerNorm inside the model),
   rms-1t (diagnostic: the same kernels called with one thread),
   rms-al (rms with every parameter not 64-byte aligned copied to fresh memory: the stock-checkpoint
-          reload leaves them at addresses ≡ 8 mod 64),
+          reload leaves them at addresses ≡ 8 mod 64; normfold.load now does this itself),
+  rms-mis (rms with every tensor moved to an address ≡ 8 mod 64: normfold.load before io.realign),
   crms (Pre-CRMS default load), crms-plain.
 Every round runs every candidate once, back to back, rotating the order (bench.timing.measure); the
 numbers are medians of per-round ratios to the original, with the quartiles.
@@ -94,6 +95,19 @@ def realign(model):
     return model
 
 
+def misalign(model):
+    """Every parameter / buffer moved to an address ≡ 8 (mod 64), where transformers' from_pretrained
+    left a stock checkpoint's tensors before normfold.load realigned them (the 'before' of io.realign)."""
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            n, k = t.numel(), 8 // t.element_size()
+            buf = torch.empty(n + 64, dtype=t.dtype)
+            v = buf[k:k + n].view(t.shape)
+            v.copy_(t)
+            t.data = v
+    return model
+
+
 def main():
     fam, dname = sys.argv[1], sys.argv[2]
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 11
@@ -103,13 +117,13 @@ def main():
     torch.set_num_threads(int(os.environ.get("THREADS", "2")))
     steady_allocator()
     base = {"aa": "aa", "no-norm": "no-norm", "rms": "rmsnorm", "rms-plain": "rmsnorm-plain", "rms-ln": "rmsnorm",
-            "rms-1t": "rmsnorm", "rms-al": "rmsnorm", "crms": "crmsnorm", "crms-plain": "crmsnorm-plain"}
+            "rms-1t": "rmsnorm", "rms-al": "rmsnorm", "rms-mis": "rmsnorm", "crms": "crmsnorm", "crms-plain": "crmsnorm-plain"}
     with tempfile.TemporaryDirectory() as w:
         models = {"original": hf.candidates(case, dtype, w, variants=())["original"]}
         for k in want:
             v = base[k]
             m = hf.candidates(case, dtype, w, variants=(v,))[v]
-            models[k] = {"rms-ln": ln_route, "rms-1t": one_thread, "rms-al": realign}.get(k, lambda m: m)(m)
+            models[k] = {"rms-ln": ln_route, "rms-1t": one_thread, "rms-al": realign, "rms-mis": misalign}.get(k, lambda m: m)(m)
         x = case.inputs(models["original"], dtype)
         cands = {k: (lambda m=m: m(**x)) for k, m in models.items()}
         with torch.inference_mode():
