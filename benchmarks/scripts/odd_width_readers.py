@@ -4,6 +4,8 @@ For each reader shape (rows × (d−1) → out) it times F.linear with
   odd:     x (rows, d−1) contiguous, W (out, d−1) contiguous (what a loaded Pre-CRMS model runs),
   strided: x and W as (d−1)-wide views into d-wide buffers (lda = ldb = d; only strides change),
   padded:  x (rows, d) with a zero last column, W (out, d) with a zero last column (a K = d GEMM),
+  pad+padded: `padded` with x padded on each call (F.pad of the contiguous (rows, d−1) x: what a reader
+           that owns a padded weight but gets the norm's d−1 output would run),
   full:    the Pre-RMS reader, K = d (the reference the others are divided by),
 in interleaved rounds (process CPU time, one thread unless THREADS is set), medians of per-round ratios,
 and says whether `strided` / `padded` outputs equal `odd` bit for bit.
@@ -33,7 +35,8 @@ for dt in (torch.float32, torch.bfloat16):
         b = torch.randn(out, generator=g).to(dt)
         x_odd, w_odd = xb[..., :-1].contiguous(), wb[:, :-1].contiguous()
         x_str, w_str = xb[..., :-1], wb[:, :-1]
-        cands = {"full": (xb, wb), "odd": (x_odd, w_odd), "strided": (x_str, w_str), "padded": (xb, wb)}
+        cands = {"full": (xb, wb), "odd": (x_odd, w_odd), "strided": (x_str, w_str), "padded": (xb, wb),
+                 "pad+padded": (x_odd, wb)}
         ref = F.linear(x_odd, w_odd, b)
         same = {k: torch.equal(F.linear(*cands[k], b), ref) for k in ("strided", "padded")}
         t = {k: [] for k in cands}
@@ -41,14 +44,18 @@ for dt in (torch.float32, torch.bfloat16):
         with torch.inference_mode():
             for r in range(rounds):
                 names = list(cands)
-                for k in names[r % 4:] + names[:r % 4]:
+                for k in names[r % len(names):] + names[:r % len(names)]:
                     x, w = cands[k]
                     t0 = time.process_time()
-                    for _ in range(inner):
-                        F.linear(x, w, b)
+                    if k == "pad+padded":
+                        for _ in range(inner):
+                            F.linear(F.pad(x, (0, 1)), w, b)
+                    else:
+                        for _ in range(inner):
+                            F.linear(x, w, b)
                     t[k].append(time.process_time() - t0)
         med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-        ratio = {k: med([a / f for a, f in zip(t[k], t["full"])]) for k in ("odd", "strided", "padded")}
+        ratio = {k: med([a / f for a, f in zip(t[k], t["full"])]) for k in ("odd", "strided", "padded", "pad+padded")}
         print(f"{str(dt)[6:]:9s} {name:13s} {rows}x{d - 1}->{out}: full {med(t['full']) / inner * 1e6:8.1f} µs; "
               + "  ".join(f"{k} {v:.3f}" for k, v in ratio.items())
               + f"  | bitwise = odd: strided {same['strided']}, padded {same['padded']}", flush=True)
