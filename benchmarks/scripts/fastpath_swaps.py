@@ -137,6 +137,10 @@ def main():
     for k in want:
         r = paired(st[k], st["original"])
         print(f"  {k:12s} {r.median:.4f}  [q25 {r.q25:.4f}, q75 {r.q75:.4f}]")
+    for a, b in (("rms", "rms-mis"), ("rms", "rms-plain"), ("rms", "rms-ln"), ("crms", "rms")):
+        if a in st and b in st:
+            r = paired(st[a], st[b])
+            print(f"  {a} / {b}: {r.median:.4f}  [q25 {r.q25:.4f}, q75 {r.q75:.4f}] (paired directly)")
 
 
 if __name__ == "__main__":
