@@ -187,6 +187,26 @@ def test_sequence_classification_round_trip(tmp_path):
     assert torch.equal(logits(loaded), logits(conv))
 
 
+def test_stock_checkpoint_loads_into_aligned_memory_with_the_same_tensors(converted_untied):
+    """transformers' from_pretrained leaves a safetensors checkpoint's tensors 8 bytes off a 64-byte
+    boundary; normfold.load copies them (io.realign): same values, aligned, ties kept."""
+    _, conv, report, out = converted_untied
+    assert report.stock_reloadable
+    loaded = io.load(out)
+    want = conv.state_dict()
+    for name, got in loaded.state_dict().items():
+        assert torch.equal(got, want[name]), name
+    assert all(p.data_ptr() % io.ALIGN_BYTES == 0 for p in loaded.parameters())
+    assert torch.equal(logits(loaded), logits(normfold.load(out, fast=False)))
+    # a tensor sharing its storage stays shared; an unaligned lone one moves
+    m = torch.nn.Module()
+    base = torch.arange(20, dtype=torch.float32)
+    m.a, m.b = torch.nn.Parameter(base[2:10]), torch.nn.Parameter(base[10:18])
+    m.c = torch.nn.Parameter(torch.arange(21, dtype=torch.float32)[1:])
+    assert io.realign(m) == 1 and m.c.data_ptr() % io.ALIGN_BYTES == 0 and torch.equal(m.c, torch.arange(1., 21.))
+    assert m.a.untyped_storage().data_ptr() == m.b.untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_normfold_weights_load_bit_identical_in_their_dtype(tmp_path, dtype):
     """A checkpoint only normfold.load can read (here Pre-CRMSNorm) comes back with exactly the saved

@@ -105,3 +105,38 @@ def test_modules():
         assert rel(y, want) <= TOL[torch.float32]
         y.sum().backward()
         assert x.grad is not None and m.weight.grad is not None and m.bias.grad is not None
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compressed", [False, True])
+@pytest.mark.parametrize("affine", ["none", "weight", "both", "f32-params"])
+def test_module_fast_add_path_is_the_dispatchers_call(dtype, compressed, affine):
+    """RMSNorm / CRMSNorm(x, residual) call the kernel directly in CPU inference (cpu.fast_add_forward):
+    bit for bit what ops.add_(c)rms_norm returns, and None (the general path) where it does not apply."""
+    from normfold.nn import CRMSNorm, RMSNorm
+    from normfold.ops import cpu
+
+    g = torch.Generator().manual_seed(1)
+    x, r = (torch.randn(3, 70, 96, generator=g).to(dtype) for _ in range(2))
+    pdt = torch.float32 if affine == "f32-params" else dtype
+    w = None if affine == "none" else torch.randn(96, generator=g).to(pdt)
+    b = torch.randn(96, generator=g).to(pdt) if affine in ("both", "f32-params") else None
+    op = ops.add_crms_norm if compressed else ops.add_rms_norm
+    want = op(x, r, w, b, 1e-5)
+    got = cpu.fast_add_forward(x, r, w, b, 1e-5, compressed)
+    assert got is not None and all(torch.equal(a, c) for a, c in zip(got, want))
+    mod = (CRMSNorm if compressed else RMSNorm)(96, weight=w is not None, bias=b is not None, dtype=pdt)
+    with torch.no_grad():
+        if w is not None:
+            mod.weight.copy_(w)
+        if b is not None:
+            mod.bias.copy_(b)
+        s, y = mod(x, r)
+    assert torch.equal(s, want[0]) and torch.equal(y, want[1])
+    # not the common case: the general path takes it (and raises the user errors)
+    assert cpu.fast_add_forward(x, r.transpose(0, 1).contiguous().transpose(0, 1), w, b, 1e-5, compressed) is None
+    assert cpu.fast_add_forward(x, r.double(), w, b, 1e-5, compressed) is None
+    assert cpu.fast_add_forward(x, r[:, :1], w, b, 1e-5, compressed) is None
+    if w is not None:
+        assert cpu.fast_add_forward(x, r, w[:-1], b, 1e-5, compressed) is None

@@ -159,8 +159,9 @@ def _hooked(block: nn.Module, link: _Link, norm: nn.Module) -> bool:
 def add(block: nn.Module, delta: Tensor, residual: Tensor) -> Tensor:
     """delta + residual (the block's last add), formed by the linked norm's fused op when it may be."""
     link = None if torch.compiler.is_compiling() else block.__dict__.get(_LINK)  # compile / export: plain
-    if link is None or type(delta) is not Tensor or type(residual) is not Tensor or torch.jit.is_tracing():
-        return delta + residual
+    if link is None or type(delta) is not Tensor or type(residual) is not Tensor or torch.jit.is_tracing() \
+            or (not INFERENCE_TENSORS and (delta.is_inference() or residual.is_inference())):
+        return delta + residual  # (inference tensors: see below; checked first, inference_mode is the usual case)
     numel = delta.numel()
     if numel <= LN_ROUTE_MAX_NUMEL or (delta.dtype is torch.float32 and numel < FLOAT32_MIN_NUMEL) \
             or delta.dtype != residual.dtype or delta.shape != residual.shape:

@@ -43,11 +43,11 @@ from . import cpu_calls, pycall
 from .cpu_build import ABI_VERSION, COMMON_FLAGS, build, cache_dir, compiler_id, cpu_signature, declare, library_path
 from .cpu_build import find_compiler as _compiler  # tests patch cpu._compiler
 from .cpu_build import sources
-from .cpu_calls import DTYPE_CODES, add_forward, backward, fast_forward, forward, row_scale, tracing
+from .cpu_calls import DTYPE_CODES, add_forward, backward, fast_add_forward, fast_forward, forward, row_scale, tracing
 from .cpu_isa import ISA_ALIASES, ISA_FALLBACK, ISA_FLAGS, ISA_NAMES, detect_isa, requested_isa
 from .cpu_isa import chain as _chain
 
-__all__ = ["library", "reset", "status", "supports", "disabled", "cache_dir", "detect_isa", "fast_forward", "forward",
+__all__ = ["library", "reset", "status", "supports", "disabled", "cache_dir", "detect_isa", "fast_add_forward", "fast_forward", "forward",
            "row_scale", "add_forward", "backward", "DTYPE_CODES", "ISA_FLAGS", "ISA_FALLBACK", "ISA_ALIASES",
            "ISA_NAMES"]
 

@@ -102,6 +102,44 @@ def fast_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: flo
     return y
 
 
+def fast_add_forward(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+                     compressed: bool):
+    """(s, y) = (x + residual, norm(x + residual)) for the common inference case (x and residual contiguous,
+    of one shape and dtype, parameters as fast_forward takes them): the same kernel call as `add_forward`
+    without its general set-up (the fused blocks call this on every block). Returns None when the case is
+    not that one or the kernel is not loaded yet (the caller then takes the general path)."""
+    f = _calls["forward"]
+    code = _fast[1].get(x.dtype)
+    if f is None or code is None or residual.dtype is not x.dtype or not x.is_cpu or not residual.is_cpu \
+            or x.dim() == 0 or residual.shape != x.shape or not x.is_contiguous() or not residual.is_contiguous():
+        return None
+    n = x.shape[-1]
+    numel = x.numel()
+    if numel == 0:
+        return None
+    codes = _fast[1]
+    wp = bp = None
+    wdt = bdt = 0
+    if weight is not None:
+        wdt = codes.get(weight.dtype)
+        if (weight.dtype is not x.dtype and wdt != 0) or wdt is None or weight.shape != (n,) or \
+                not weight.is_contiguous() or not weight.is_cpu:
+            return None
+        wp = weight.data_ptr()
+    if bias is not None:
+        bdt = codes.get(bias.dtype)
+        if (bias.dtype is not x.dtype and bdt != 0) or bdt is None or bias.shape != (n,) or \
+                not bias.is_contiguous() or not bias.is_cpu:
+            return None
+        bp = bias.data_ptr()
+    y = torch.empty_like(x)
+    s = torch.empty_like(x)
+    if f(code, x.data_ptr(), n, residual.data_ptr(), n, wp, wdt, bp, bdt, y.data_ptr(), s.data_ptr(), None,
+         numel // n, n, float(eps), int(compressed), torch.get_num_threads()) != 0:
+        return None
+    return s, y
+
+
 def _rows(t: Tensor, n: int) -> tuple[Tensor, int]:
     """t as (rows, n) with a unit last stride, and the distance between its rows (a view when
     possible: a slice x[..., :k] of a contiguous tensor is read in place)."""
