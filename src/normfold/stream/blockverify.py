@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
@@ -82,7 +84,8 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     report = inspect_converted(converted_dir)[0] if os.path.lexists(converted_dir / REPORT_FILE) else None
     if centered is None:
         centered = tuple(report.centered_outputs) if report is not None and report.centered_outputs else CENTERED_OUTPUTS
-    say = progress or (lambda _msg: None)
+    timer = _PassTimer(progress)
+    say = timer.say
 
     o_read, c_read = CheckpointReader(original_dir), CheckpointReader(converted_dir)
     orig = build_skeleton(original_dir, names=set(o_read.files))
@@ -125,6 +128,7 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     p_ow, orig_w = run(o_s, o_units, o_dtype, forced=ref, map_center=False)
     say(f"converted in {_dt(c_dtype)}")
     p_cw, conv_w = run(c_s, c_units, c_dtype, forced=ref, map_center=True)
+    timer.say("comparisons", quiet=True)
 
     fp64, failed = _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered, skip)
     floor = tol if c_dtype == FP64 else ULP_FLOOR * dtype_eps(c_dtype)
@@ -141,6 +145,7 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     direct = diff_outputs(conv_w, orig_w, skip, centered)
     worst_direct = worst_of(direct)
     sizes = {"original": _sizes(o_s, o_units), "converted": _sizes(c_s, c_units)}
+    timer.done()
     return {
         "passed": bool(working_ok and fp64["passed"]),
         "dtype": _dt(c_dtype),
@@ -156,6 +161,29 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
                       "peak_weight_bytes": ledger.peak, "loads": ledger.loads,
                       "original_dtype": _dt(o_dtype), **sizes},
     }
+
+
+
+class _PassTimer:
+    """The progress callback, and with NORMFOLD_VERIFY_TIMES=1 in the environment each step's wall and
+    CPU seconds on stderr (one line per pass, `verify pass <seconds> s wall, <seconds> s CPU: <pass>`)."""
+
+    def __init__(self, progress) -> None:
+        self.progress = progress
+        self.on = os.environ.get("NORMFOLD_VERIFY_TIMES", "") not in ("", "0")
+        self.step, self.t0, self.c0 = None, 0.0, 0.0
+
+    def say(self, msg: str, quiet: bool = False) -> None:
+        self.done()
+        self.step, self.t0, self.c0 = msg, time.perf_counter(), time.process_time()
+        if self.progress is not None and not quiet:
+            self.progress(msg)
+
+    def done(self) -> None:
+        if self.on and self.step is not None:
+            print(f"verify pass {time.perf_counter() - self.t0:6.2f} s wall, {time.process_time() - self.c0:6.2f} s "
+                  f"CPU: {self.step}", file=sys.stderr, flush=True)
+        self.step = None
 
 
 
