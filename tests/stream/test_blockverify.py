@@ -333,3 +333,24 @@ def test_large_head_runs_in_row_chunks_in_float64(tmp_path, monkeypatch, untie):
     for a, b in zip(chunked["fp64"]["outputs"], whole["fp64"]["outputs"]):
         assert a["name"] == b["name"] and abs(a["max_rel"] - b["max_rel"]) <= 1e-13, (a, b)
     assert chunked["working"] == whole["working"]  # the working-dtype passes hold the stored table: untouched
+
+
+def test_one_thread_passes_and_comparisons_give_the_same_numbers(tmp_path, monkeypatch, capsys):
+    """NORMFOLD_VERIFY_THREADS=1 (the passes) and the one-thread comparisons change no reported number and
+    still name a corrupted block; torch's thread setting is restored; NORMFOLD_VERIFY_TIMES prints each pass."""
+    orig, conv, sharded = make(tmp_path, "gpt2", head="GPT2LMHeadModel")
+    threads = torch.get_num_threads()
+    default = verify_blockwise(orig, sharded)
+    monkeypatch.setenv("NORMFOLD_VERIFY_THREADS", "1")
+    monkeypatch.setenv("NORMFOLD_VERIFY_TIMES", "1")
+    one = verify_blockwise(orig, sharded)
+    assert torch.get_num_threads() == threads
+    assert one == default and one["passed"]
+    err = capsys.readouterr().err
+    assert err.count("verify pass") == 6 and "comparisons" in err
+    _perturb(sharded, "transformer.h.1.mlp.c_proj.weight", 1e-3)
+    bad = verify_blockwise(orig, sharded)
+    assert not bad["passed"] and bad["blockwise"]["failed_blocks"] == ["transformer.h.1"]
+    monkeypatch.setenv("NORMFOLD_VERIFY_THREADS", "two")
+    with pytest.raises(NormfoldError, match="NORMFOLD_VERIFY_THREADS"):
+        verify_blockwise(orig, sharded)

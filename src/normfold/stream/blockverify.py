@@ -29,8 +29,11 @@ checkpoint names), `streamer` (a unit's weights loaded and dropped), `memory` (l
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
@@ -82,7 +85,8 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     report = inspect_converted(converted_dir)[0] if os.path.lexists(converted_dir / REPORT_FILE) else None
     if centered is None:
         centered = tuple(report.centered_outputs) if report is not None and report.centered_outputs else CENTERED_OUTPUTS
-    say = progress or (lambda _msg: None)
+    timer = _PassTimer(progress)
+    say = timer.say
 
     o_read, c_read = CheckpointReader(original_dir), CheckpointReader(converted_dir)
     orig = build_skeleton(original_dir, names=set(o_read.files))
@@ -101,9 +105,11 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
                               f"{blocks[:3]}...: not a conversion of it")
     tol = fp64_tol if fp64_tol is not None else stored_weights_tolerance(c_dtype)
 
+    threads = _pass_threads()
+
     def run(streamer, units, dtype, **kw):
         streamer.set_dtype(dtype, pool_units=units[0])
-        with Pass(streamer, *units, **kw) as p:
+        with _threads(threads), Pass(streamer, *units, **kw) as p:
             out = run_model(streamer.model, inputs)
         return p, out
 
@@ -125,22 +131,24 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     p_ow, orig_w = run(o_s, o_units, o_dtype, forced=ref, map_center=False)
     say(f"converted in {_dt(c_dtype)}")
     p_cw, conv_w = run(c_s, c_units, c_dtype, forced=ref, map_center=True)
-
-    fp64, failed = _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered, skip)
-    floor = tol if c_dtype == FP64 else ULP_FLOOR * dtype_eps(c_dtype)
-    base = {d.name: d for d in diff_outputs(orig_w, exact, skip, centered)}
-    rows, working_ok = [], True
-    for d in diff_outputs(conv_w, exact, skip, centered):
-        b_rel = base[d.name].max_rel if d.name in base else 0.0
-        ok = d.max_rel <= WORKING_FACTOR * b_rel + floor
-        working_ok &= ok
-        rows.append({"name": d.name, "converted_rel_error": d.max_rel, "original_rel_error": b_rel, "ok": ok})
-    if c_dtype != FP64:
-        working_ok = explain_failures(rows, conv_w, exact, c_dtype)
-    wblocks = _working_blocks(ref, p_ow, p_cw, floor)
-    direct = diff_outputs(conv_w, orig_w, skip, centered)
-    worst_direct = worst_of(direct)
-    sizes = {"original": _sizes(o_s, o_units), "converted": _sizes(c_s, c_units)}
+    timer.say("comparisons", quiet=True)
+    with _threads(1):
+        fp64, failed = _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered, skip)
+        floor = tol if c_dtype == FP64 else ULP_FLOOR * dtype_eps(c_dtype)
+        base = {d.name: d for d in diff_outputs(orig_w, exact, skip, centered)}
+        rows, working_ok = [], True
+        for d in diff_outputs(conv_w, exact, skip, centered):
+            b_rel = base[d.name].max_rel if d.name in base else 0.0
+            ok = d.max_rel <= WORKING_FACTOR * b_rel + floor
+            working_ok &= ok
+            rows.append({"name": d.name, "converted_rel_error": d.max_rel, "original_rel_error": b_rel, "ok": ok})
+        if c_dtype != FP64:
+            working_ok = explain_failures(rows, conv_w, exact, c_dtype)
+        wblocks = _working_blocks(ref, p_ow, p_cw, floor)
+        direct = diff_outputs(conv_w, orig_w, skip, centered)
+        worst_direct = worst_of(direct)
+        sizes = {"original": _sizes(o_s, o_units), "converted": _sizes(c_s, c_units)}
+    timer.done()
     return {
         "passed": bool(working_ok and fp64["passed"]),
         "dtype": _dt(c_dtype),
@@ -156,6 +164,62 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
                       "peak_weight_bytes": ledger.peak, "loads": ledger.loads,
                       "original_dtype": _dt(o_dtype), **sizes},
     }
+
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    """torch's intra-op threads set to `n` inside. The comparisons run on one thread: their tensors are
+    activations (2 × 16 tokens × width, or × vocabulary for logits), where a second OpenMP thread saves
+    little on an idle machine and, on a shared one, makes every operation wait for a descheduled thread
+    (measured: 11.3 s instead of 0.1 s for the comparisons of a d = 1600, 11-layer GPT-2 under load 3.5 on 2
+    vCPUs). Elementwise operations, max and the per-row means give the same bits on one thread (checked
+    on every number of the result)."""
+    before = torch.get_num_threads()
+    if n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+
+def _pass_threads() -> int:
+    """torch's intra-op threads for the five passes: NORMFOLD_VERIFY_THREADS if set (a positive integer),
+    else torch's current setting. On a machine whose cores are shared with other work, 1 avoids OpenMP
+    threads waiting for each other (docs/large-checkpoints.md, "Verification: per-pass cost")."""
+    raw = os.environ.get("NORMFOLD_VERIFY_THREADS", "").strip()
+    if not raw:
+        return torch.get_num_threads()
+    if not raw.isdigit() or int(raw) < 1:
+        raise NormfoldError(f"NORMFOLD_VERIFY_THREADS={raw!r}: expected a positive integer")
+    return int(raw)
+
+
+
+class _PassTimer:
+    """The progress callback, and with NORMFOLD_VERIFY_TIMES=1 in the environment each step's wall and
+    CPU seconds on stderr (one line per pass, `verify pass <seconds> s wall, <seconds> s CPU: <pass>`)."""
+
+    def __init__(self, progress) -> None:
+        self.progress = progress
+        self.on = os.environ.get("NORMFOLD_VERIFY_TIMES", "") not in ("", "0")
+        self.step, self.t0, self.c0 = None, 0.0, 0.0
+
+    def say(self, msg: str, quiet: bool = False) -> None:
+        self.done()
+        self.step, self.t0, self.c0 = msg, time.perf_counter(), time.process_time()
+        if self.progress is not None and not quiet:
+            self.progress(msg)
+
+    def done(self) -> None:
+        if self.on and self.step is not None:
+            print(f"verify pass {time.perf_counter() - self.t0:6.2f} s wall, {time.process_time() - self.c0:6.2f} s "
+                  f"CPU: {self.step}", file=sys.stderr, flush=True)
+        self.step = None
 
 
 
