@@ -62,6 +62,22 @@ def _ensure_bound() -> None:
 
 # ---- raw kernel calls (no autograd) -----------------------------------------------------------------
 
+def _fast_params(weight: Tensor | None, bias: Tensor | None, x: Tensor, n: int, codes: dict):
+    """(weight pointer, dtype code, bias pointer, dtype code) as the fast calls pass them (None, 0 for an
+    absent one), or None when one is not contiguous on the CPU in float32 or x's dtype with n entries."""
+    out = []
+    for p in (weight, bias):
+        if p is None:
+            out += (None, 0)
+            continue
+        code = codes.get(p.dtype)
+        if (p.dtype is not x.dtype and code != 0) or code is None or p.shape != (n,) or \
+                not p.is_contiguous() or not p.is_cpu:
+            return None
+        out += (p.data_ptr(), code)
+    return out
+
+
 def fast_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, compressed: bool):
     """y = norm(x) for the common inference case (contiguous x with rows, parameters contiguous in
     float32 or x's dtype), with as little Python as possible: the modules call this first on every
@@ -81,20 +97,10 @@ def fast_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: flo
     numel = x.numel()
     if numel == 0:
         return None
-    wp = bp = None
-    wdt = bdt = 0
-    if weight is not None:
-        wdt = codes.get(weight.dtype)
-        if (weight.dtype is not x.dtype and wdt != 0) or wdt is None or weight.shape != (n,) or \
-                not weight.is_contiguous() or not weight.is_cpu:
-            return None
-        wp = weight.data_ptr()
-    if bias is not None:
-        bdt = codes.get(bias.dtype)
-        if (bias.dtype is not x.dtype and bdt != 0) or bdt is None or bias.shape != (n,) or \
-                not bias.is_contiguous() or not bias.is_cpu:
-            return None
-        bp = bias.data_ptr()
+    params = _fast_params(weight, bias, x, n, codes)
+    if params is None:
+        return None
+    wp, wdt, bp, bdt = params
     y = torch.empty_like(x)
     if f(code, x.data_ptr(), wp, wdt, bp, bdt, y.data_ptr(), numel // n, n, eps, compressed,
          torch.get_num_threads()) != 0:
@@ -118,20 +124,10 @@ def fast_add_forward(x: Tensor, residual: Tensor, weight: Tensor | None, bias: T
     if numel == 0:
         return None
     codes = _fast[1]
-    wp = bp = None
-    wdt = bdt = 0
-    if weight is not None:
-        wdt = codes.get(weight.dtype)
-        if (weight.dtype is not x.dtype and wdt != 0) or wdt is None or weight.shape != (n,) or \
-                not weight.is_contiguous() or not weight.is_cpu:
-            return None
-        wp = weight.data_ptr()
-    if bias is not None:
-        bdt = codes.get(bias.dtype)
-        if (bias.dtype is not x.dtype and bdt != 0) or bdt is None or bias.shape != (n,) or \
-                not bias.is_contiguous() or not bias.is_cpu:
-            return None
-        bp = bias.data_ptr()
+    params = _fast_params(weight, bias, x, n, codes)
+    if params is None:
+        return None
+    wp, wdt, bp, bdt = params
     y = torch.empty_like(x)
     s = torch.empty_like(x)
     if f(code, x.data_ptr(), n, residual.data_ptr(), n, wp, wdt, bp, bdt, y.data_ptr(), s.data_ptr(), None,
