@@ -300,17 +300,19 @@ def test_reused_buffers_and_embedding_rows_change_nothing(tmp_path, monkeypatch)
     assert fast == plain
 
 
-@pytest.mark.parametrize("untie", [False, True], ids=["tied-head", "linear-head"])
-def test_large_head_runs_in_row_chunks_in_float64(tmp_path, monkeypatch, untie):
+@pytest.mark.parametrize("kw", [{}, {"untie": True}, {"to": "crmsnorm"}],
+                         ids=["tied-head", "linear-head", "crmsnorm-tied-head"])
+def test_large_head_runs_in_row_chunks_in_float64(tmp_path, monkeypatch, kw):
     """A head whose matrix is larger than a block (the vocabulary × width table) runs over row chunks in the
     float64 passes of a float32 checkpoint, both the original's nn.Linear and the converted one (tied to the table, or
-    untied nn.Linear): no float64 copy of the whole table, and the same verdict and errors (to the float64
-    summation blocking) as the whole-table run, against the in-memory verification."""
+    untied nn.Linear, or Pre-CRMSNorm's head tied to the d−1 table): no float64 copy of the whole table, and the
+    same verdict and errors (to the float64 summation blocking) as the whole-table run, against the in-memory
+    verification."""
     ex = get_adapter("gpt2").examples[0]
     torch.manual_seed(0)
     model = realistic(transformers.GPT2LMHeadModel(transformers.GPT2Config(**dict(ex.kwargs, vocab_size=3001))).eval())
     model.save_pretrained(tmp_path / "orig", max_shard_size="40KB")
-    conv, report = normfold.convert(model, verify=False, untie=untie)
+    conv, report = normfold.convert(model, verify=False, **kw)
     normfold.save(conv, report, tmp_path / "conv")
     from normfold.stream.streamer import Streamer
 

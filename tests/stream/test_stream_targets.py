@@ -125,3 +125,30 @@ def test_streamed_model_without_its_pooler(tmp_path, to):
         got = normfold.load(tmp_path / "st")(pixel_values=x).last_hidden_state
         want = model(pixel_values=x).last_hidden_state
     assert float((got - want).abs().max() / want.abs().max()) <= 1e-5
+
+
+@pytest.mark.parametrize("kw", TARGETS[1:], ids=lambda k: "-".join(f"{v}" for v in k.values()))
+def test_crmsnorm_tables_compacted_in_place_and_results_in_slabs_equal_in_memory(tmp_path, monkeypatch, kw):
+    """Pre-CRMSNorm in reused memory (issue 26): with tiny slabs and chunks, every table and large writer counts as
+    'large', so the d−1 table is compacted within its own read buffer in many row chunks, the tied head's means
+    read chunk by chunk, and the other d−1 results land in recycled slabs; the bytes are still the in-memory
+    conversion's."""
+    from normfold.stream import compute as stream_compute
+    from normfold.stream import safetensors_io as st
+
+    calls = []
+    compact = stream_compute.Computer._drop_last_in_place
+
+    def counted(self, name, value, out):
+        t = compact(self, name, value, out)
+        calls.append((name, t is not None))
+        return t
+
+    init = st.Slabs.__init__
+    monkeypatch.setattr(st.Slabs, "__init__", lambda self, budget, largest=None: init(self, budget, largest=2048))
+    monkeypatch.setattr(stream_compute, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(stream_compute.Computer, "_drop_last_in_place", counted)
+    _both(tmp_path, "gpt2", "GPT2LMHeadModel", **kw)
+    _assert_same_files(tmp_path / "mem", tmp_path / "st")
+    if not kw.get("pad"):
+        assert ("transformer.wte.weight", True) in calls

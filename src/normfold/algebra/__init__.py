@@ -29,6 +29,7 @@ from .tensors import (
     decompress_writer,
     fold_affine,
     fold_offline_norm,
+    result_buffer,
     reused_buffers,
     scale_writer,
 )
@@ -37,7 +38,7 @@ __all__ = [
     "center_grouped", "center_conv_writer", "grouped_writer_exact", "fold_affine_conv", "is_conv_reader",
     "center_recurrent", "RECURRENT_GATES",
     "Layout", "layout_of", "register_layout", "is_linear_reader",
-    "center", "center_writer", "scale_writer", "fold_affine", "reused_buffers", "compress_reader", "compress_writer",
+    "center", "center_writer", "scale_writer", "fold_affine", "reused_buffers", "result_buffer", "compress_reader", "compress_writer",
     "decompress_reader", "decompress_writer", "fold_offline_norm", "offline_affine", "fold_into_writer",
     "fix_ones", "hadamard_matrix", "has_hadamard", "random_orthogonal", "rotate_axis", "rotation_matrix",
     "unfold_gamma_bias",

@@ -20,19 +20,30 @@ def _f64(t: Tensor) -> Tensor:
 
 
 @contextlib.contextmanager
-def reused_buffers(bufs: dict | None = None):
+def reused_buffers(bufs: dict | None = None, results=None):
     """Inside (this thread only): `fold_affine`'s weight-sized float64 copy and its rounded result live in two
     buffers reused from call to call instead of fresh memory (a streamed conversion otherwise page-faults over
     three times each reader weight's size per fold). Same values: copying into float64 is exact, and the
     rounding copy is the cast `.to` does. The weight returned is a view of the buffer: the caller must use it
     before the next `fold_affine` (`convert.swap_norm` copies it into the parameter at once). `bufs`: a dict
-    that keeps the buffers from one `with` to the next (a fresh one by default)."""
-    old = getattr(_scratch, "bufs", None)
+    that keeps the buffers from one `with` to the next (a fresh one by default). `results(shape, dtype)`: where
+    `result_buffer` takes the memory of results that outlive the call (`compress_reader`'s, compress's dropped
+    coordinate): a contiguous tensor nothing else uses (default: `torch.empty`)."""
+    old, old_results = getattr(_scratch, "bufs", None), getattr(_scratch, "results", None)
     _scratch.bufs = {} if bufs is None else bufs
+    _scratch.results = results
     try:
         yield
     finally:
-        _scratch.bufs = old
+        _scratch.bufs, _scratch.results = old, old_results
+
+
+def result_buffer(shape, dtype: torch.dtype) -> Tensor:
+    """An uninitialised contiguous tensor for a result the caller fills whole: from the `results` allocator of
+    the enclosing `reused_buffers` (a streamed conversion hands out recycled read buffers, so a new d−1 tensor
+    does not page-fault over fresh memory), else `torch.empty`."""
+    alloc = getattr(_scratch, "results", None)
+    return torch.empty(tuple(shape), dtype=dtype) if alloc is None else alloc(tuple(shape), dtype)
 
 
 def _buffer(slot: str, like: Tensor, dtype: torch.dtype) -> Tensor | None:
@@ -126,7 +137,13 @@ def compress_reader(weight: Tensor, in_dim: int) -> Tensor:
         return (w64[..., :-1] - w64[..., -1:]).movedim(-1, in_dim).to(weight.dtype)
     w64.copy_(w)  # inside reused_buffers: both float64 temporaries reused, the same values (elementwise ops)
     diff = torch.sub(w64[..., :-1], w64[..., -1:], out=_buffer("d64", w64[..., :-1], torch.float64))
-    return diff.to(weight.dtype).movedim(-1, in_dim)
+    # rounded once (copy_ casts as `.to` does) into a contiguous result in the weight's own layout (what the
+    # writer's `.contiguous()` made of the moved view before), from `result_buffer`
+    shape = list(weight.shape)
+    shape[in_dim] -= 1
+    out = result_buffer(shape, weight.dtype)
+    out.movedim(in_dim, -1).copy_(diff)
+    return out
 
 
 def decompress_reader(weight: Tensor, in_dim: int) -> Tensor:

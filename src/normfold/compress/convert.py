@@ -100,7 +100,11 @@ def _drop_or_zero(t: torch.Tensor, dim: int, pad: bool) -> torch.Tensor:
         t = torch.cat([t[..., :-1], torch.zeros_like(t[..., -1:])], dim=-1)
     else:
         t = t[..., :-1]
-    return t.movedim(-1, dim).contiguous()
+    t = t.movedim(-1, dim)
+    # as .contiguous(), the copy's memory from algebra.result_buffer (recycled inside a streamed conversion)
+    if t.is_contiguous() or t.device.type != "cpu":  # (meta: the structure pass)
+        return t.contiguous()
+    return algebra.result_buffer(t.shape, t.dtype).copy_(t)
 
 
 def compress_writer(model: nn.Module, path: str, pad: bool, record: dict | None = None) -> int:

@@ -4,6 +4,8 @@ same roundings, so the same bytes); big last-axis writers and tied heads in floa
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -38,18 +40,78 @@ class Computer:
         self.head_means = {f"{t['head']}.mean": f"{t['head']}.weight" for t in (compression or {}).get("tied_heads", [])}
         # read buffers recycled block after block (st.Slabs): about what is in flight at once (a component read
         # ahead, one computed, 64 MB queued for the writer)
-        self.slabs = st.Slabs(budget=SLAB_BYTES)
+        # (Pre-CRMSNorm: the d−1 results take slabs too, about as many bytes again)
+        self.slabs = st.Slabs(budget=SLAB_BYTES * (1 if compression is None else 2))
         self.scratch: dict = {}  # fold_affine's float64 copy and rounded result, reused (algebra.reused_buffers)
 
     def derived(self, name: str) -> torch.Tensor:
         """An output computed from source tensors outside any edit (a tied compressed head's row means, in row
         chunks: rows are independent, so the bytes are tied_head_mean's over the whole table)."""
-        table = self._read(self.head_means[name])
-        flat = table.reshape(-1, table.shape[-1])
-        out = torch.empty(flat.shape[0], dtype=table.dtype)
-        for a, b in row_chunks(flat.shape[0], CHUNK_BYTES // 8 // max(1, flat.shape[1])):
-            out[a:b] = tied_head_mean(flat[a:b])
-        return out.reshape(table.shape[:-1])
+        src = self.names[self.head_means[name]]
+        info = self.source.tensors[src]
+        dtype = st.TORCH_DTYPES.get(info.dtype)
+        if dtype is None or len(info.shape) < 2 or 0 in info.shape:
+            table = self._read(self.head_means[name])
+            flat = table.reshape(-1, table.shape[-1])
+            out = torch.empty(flat.shape[0], dtype=table.dtype)
+            for a, b in row_chunks(flat.shape[0], CHUNK_BYTES // 8 // max(1, flat.shape[1])):
+                out[a:b] = tied_head_mean(flat[a:b])
+            return out.reshape(table.shape[:-1])
+        # the table read chunk by chunk into one reused buffer (it is a one-off read of the whole table
+        # otherwise: a second table-sized allocation, ~80 k page faults at GPT-2-XL's shapes); the same chunks
+        # as above, so the same bytes
+        width = info.shape[-1]
+        n = info.nbytes // (width * torch.empty((), dtype=dtype).element_size())
+        row_bytes = info.nbytes // n
+        chunks = row_chunks(n, CHUNK_BYTES // 8 // max(1, width))
+        buf = torch.empty(max(b - a for a, b in chunks) * width, dtype=dtype)
+        out = torch.empty(n, dtype=dtype)
+        for a, b in chunks:
+            rows = buf[:(b - a) * width]
+            st.read_into(info.file, info.start + a * row_bytes, rows)
+            if rows.is_floating_point() and not st.all_finite(rows):
+                raise NonFiniteWeightsError(f"tensor {src} of {self.source.path} has NaN/inf values; no conversion "
+                                            "of it can be exact. Fix or re-download the checkpoint.")
+            out[a:b] = tied_head_mean(rows.view(b - a, width))
+        return out.reshape(info.shape[:-1])
+
+    def _compressed(self, name: str, value: torch.Tensor, out: dict) -> torch.Tensor:
+        t = self._drop_last_in_place(name, value, out)
+        return compressed_value(name, value, self.compression) if t is None else t
+
+    def _drop_last_in_place(self, name: str, value: torch.Tensor, out: dict) -> torch.Tensor | None:
+        """A large writer whose last axis is the stream (the embedding table) without its last coordinate, as
+        compress's writer step makes it (`value[..., :-1]` made contiguous: the same bytes), compacted within
+        its own read buffer in row chunks instead of copied into a second table-sized tensor (at GPT-2-XL's
+        shapes 0.3 GB more at the conversion's peak). None where that does not apply (compressed_value runs)."""
+        c = self.compression
+        if (c.get("pad") or name in c.get("reader_params", {}) or value.dim() < 2 or not value.is_contiguous()
+                or c.get("writer_params", {}).get(name) not in (-1, value.dim() - 1)
+                or value.device.type != "cpu" or value.numel() * value.element_size() <= self.slabs.largest
+                or value.shape[-1] < 2):
+            return None
+        ptr = value.untyped_storage().data_ptr()
+        if any(v is not value and v.untyped_storage().data_ptr() == ptr for v in out.values()):
+            return None  # another output reads this memory
+        d = value.shape[-1]
+        flat = value.reshape(-1, d)
+        n = flat.shape[0]
+        dest = value.reshape(-1)[:n * (d - 1)]
+        step = max(1, CHUNK_BYTES // (d * value.element_size()))
+        buf = torch.empty(min(step, n) * (d - 1), dtype=value.dtype)
+        for a in range(0, n, step):  # rows [a, b) land before row b's source: nothing unread is overwritten
+            b = min(n, a + step)
+            tmp = buf[:(b - a) * (d - 1)].view(b - a, d - 1)
+            tmp.copy_(flat[a:b, :-1])
+            dest[a * (d - 1):b * (d - 1)].copy_(tmp.reshape(-1))
+        return dest.view(*value.shape[:-1], d - 1)
+
+    def _result(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """Memory for a computed output (algebra.result_buffer): a slab of `self.slabs`."""
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if n == 0:
+            return torch.empty(shape, dtype=dtype)
+        return self.slabs.take(n).view(dtype).reshape(shape)
 
     def _read(self, name: str) -> torch.Tensor:
         src = self.names[name]
@@ -84,8 +146,10 @@ class Computer:
                     self._apply(batch)
             out = {k: get(self.model, k).detach() for k in keys}
             if self.compression is not None:
-                with reused_buffers(self.scratch):  # float64 temporaries only: each result is its own tensor
-                    out = {k: compressed_value(k, v, self.compression) for k, v in out.items()}
+                # float64 temporaries reused; each new (d−1) result in a recycled read buffer (free again once
+                # the writer has dropped it), not fresh memory
+                with reused_buffers(self.scratch, results=self._result):
+                    out = {k: self._compressed(k, v, out) for k, v in out.items()}
             return out
         finally:
             for path in comp.modules:  # back to meta: frees the component's memory

@@ -8,6 +8,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..compress.runtime import TiedCompressedHead
 from ..errors import CheckpointError
 from ..nn import TiedHead
 from .memory import BufferPool, Ledger, return_freed_memory
@@ -138,11 +139,13 @@ class Streamer:
         return n
 
     def row_chunked(self, path: str, module: nn.Module) -> str | None:
-        """The weight slot of a head to run in row chunks, or None. A plain nn.Linear or nn.TiedHead whose
-        matrix, cast to this pass's dtype, is larger than the pool's budget (the largest block): a float64
-        pass over a float32 or 16-bit checkpoint would otherwise hold the whole table in float64 (the
-        vocabulary × width embedding of a tied head: 0.64 GB at GPT-2-XL's shapes)."""
-        if type(module) not in (nn.Linear, TiedHead) or "forward" in vars(module):
+        """The weight slot of a head to run in row chunks, or None. A plain nn.Linear, nn.TiedHead or
+        Pre-CRMSNorm TiedCompressedHead (its d−1 table) whose matrix, cast to this pass's dtype, is larger than
+        the pool's budget (the largest block): a float64 pass over a float32 or 16-bit checkpoint would
+        otherwise hold the whole table in float64 (the vocabulary × width embedding of a tied head: 0.64 GB at
+        GPT-2-XL's shapes). Each output (row) of these heads reads only its own row of the matrix and of
+        the per-row `bias` / `mean`."""
+        if type(module) not in (nn.Linear, TiedHead, TiedCompressedHead) or "forward" in vars(module):
             return None
         weight = module.weight  # a TiedHead's is its table's (a placeholder now): find the slot holding it
         slot = next((f for f in self.unit_slots(path) if self.slots[f][0]._parameters[self.slots[f][1]] is weight),
