@@ -96,11 +96,12 @@ class _Progress:
     """One line per output file: bytes done, rate and time left from the average rate since the start (it
     does not jump with one slow or fast tensor)."""
 
-    STEP = 0.1  # and a line each time another tenth of the bytes is done
+    STEPS = 10  # and a line each time another tenth of the bytes is done (integers: 0.1 * 3 < 0.3 skipped one),
+    GAP = 1.0  # but not within a second of the last line (a small checkpoint gets its header line only)
 
     def __init__(self, total: int, say) -> None:
         self.total, self.say, self.t0, self.done = max(total, 1), say, time.perf_counter(), 0
-        self.fname, self.next = "", self.STEP
+        self.fname, self.next, self.last = "", 1, self.t0
 
     def _line(self, head: str) -> None:
         dt = time.perf_counter() - self.t0
@@ -108,6 +109,7 @@ class _Progress:
         if self.done and dt > 0.5:
             rate = self.done / dt
             line += f", {rate / 1e9:.2f} GB/s, ~{(self.total - self.done) / rate:.0f} s left"
+        self.last = time.perf_counter()
         self.say(line)
 
     def file(self, fname: str, n: int) -> None:
@@ -116,9 +118,10 @@ class _Progress:
 
     def add(self, nbytes: int) -> None:
         self.done += nbytes
-        if self.done / self.total >= self.next and self.done < self.total:
-            self.next = (int(self.done / self.total / self.STEP) + 1) * self.STEP
-            self._line(f"  {self.fname}")
+        if self.done * self.STEPS >= self.next * self.total and self.done < self.total:
+            self.next = self.done * self.STEPS // self.total + 1
+            if time.perf_counter() - self.last >= self.GAP:
+                self._line(f"  {self.fname}")
 
 
 
