@@ -174,11 +174,7 @@ def parse_options(pairs: list[str]) -> dict:
 
 
 def run(args) -> int:
-    import torch
-
     from .. import io
-    from ..convert import convert
-    from ..errors import NormfoldError, VerificationFailedError
     from .convert_stream import maybe_stream
 
     streamed = maybe_stream(args, summarize=summary)  # normfold.stream decides; None = in memory

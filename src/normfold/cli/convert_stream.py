@@ -22,7 +22,7 @@ from pathlib import Path
 from .. import checkpoint_guard as guard
 from .. import io
 from ..errors import NormfoldError, OutputExistsError, VerificationFailedError
-from ..stream.convert import (PENDING, STREAMED_TARGETS, StreamUnsupportedError, open_source, prepare,
+from ..stream.convert import (STREAMED_TARGETS, StreamUnsupportedError, open_source, prepare,
                               stream_convert, weight_files)
 from ..stream.reverse import REVERSE_TARGETS, prepare_reverse, stream_reverse
 
