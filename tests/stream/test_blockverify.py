@@ -356,3 +356,33 @@ def test_one_thread_passes_and_comparisons_give_the_same_numbers(tmp_path, monke
     monkeypatch.setenv("NORMFOLD_VERIFY_THREADS", "two")
     with pytest.raises(NormfoldError, match="NORMFOLD_VERIFY_THREADS"):
         verify_blockwise(orig, sharded)
+
+
+@pytest.mark.parametrize("family,head", [("gpt2", "GPT2LMHeadModel"), ("whisper", "WhisperForConditionalGeneration")])
+def test_progress_counts_every_unit_of_every_pass(tmp_path, family, head):
+    """The command's time-left estimate (stream.progress): each pass's planned elements are exactly those its
+    units free, so the verification's share ends at 1 and each pass line is printed with its estimate."""
+    from normfold.stream.progress import PassProgress, Reporter, Work
+
+    orig, conv, sharded = make(tmp_path, family, head=head)
+    work = Work({"verify": 1.0})
+    seen = []
+    real_done = PassProgress.done
+
+    def done(self, elements):
+        real_done(self, elements)
+        seen.append((self.k, self.seen, self.total))
+
+    PassProgress.done = done
+    try:
+        lines = []
+        got = verify_blockwise(orig, sharded, progress=Reporter(lines.append, work))
+    finally:
+        PassProgress.done = real_done
+    assert got["passed"]
+    assert abs(work.done() - 1.0) < 1e-12
+    ends = {}
+    for k, s, total in seen:
+        ends[k] = (s, total)
+    assert sorted(ends) == [0, 1, 2, 3, 4] and all(s == total for s, total in ends.values())
+    assert len(lines) >= 5

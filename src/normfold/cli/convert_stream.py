@@ -130,23 +130,24 @@ def run_streamed(args, source_dir: Path, summarize=None, prepared=None) -> int:
         guard.inspect_checkpoint(source_dir)  # broken or hostile files end here, before any work
     out = io.check_output_dir(args.out, args.force).absolute()
     steps = Steps(total=2, quiet=args.quiet)
+    note = _whole_command_progress(steps.note, source_dir)
     with output_lock(out), _disk_errors(out):
         with staged(out, args.force) as tmp:
             # announced once the lock and the staging directory exist: a Ctrl-C / SIGTERM from here on
             # removes both (signal tests send it as soon as this line appears)
             steps.start("convert", f"converting {source_dir} shard by shard (--stream)")
             if is_reverse(source_dir):
-                report = stream_reverse(source_dir, tmp, to=args.to, progress=steps.note)
+                report = stream_reverse(source_dir, tmp, to=args.to, progress=note)
                 steps.start("verify", "verifying")
-                verify_reverse(source_dir, tmp, report, fp64_tol=args.fp64_tol, seed=args.seed, progress=steps.note)
+                verify_reverse(source_dir, tmp, report, fp64_tol=args.fp64_tol, seed=args.seed, progress=note)
             else:
                 prepared = prepared or _prepare(args, source_dir)
-                report = stream_convert(source_dir, tmp, prepared=prepared, progress=steps.note)
+                report = stream_convert(source_dir, tmp, prepared=prepared, progress=note)
                 steps.start("verify", "verifying")
                 verify_streamed(source_dir, tmp, report, fp64_tol=args.fp64_tol, seed=args.seed,
                                 fold_final=args.fold_final, keep_affine=args.keep_affine,
                                 allow_new_bias=args.allow_new_bias, pad=bool(args.pad),
-                                untie=getattr(args, "untie", False), progress=steps.note)
+                                untie=getattr(args, "untie", False), progress=note)
             if not args.model:
                 report.source["model"] = "bundled:kjv-gpt2"  # as the in-memory path names it
             v = report.verification
@@ -174,6 +175,21 @@ def run_streamed(args, source_dir: Path, summarize=None, prepared=None) -> int:
     if v.get("performed", True) and not v["passed"]:
         raise VerificationFailedError("verification failed: the converted model's outputs differ beyond tolerance")
     return 0
+
+
+def _whole_command_progress(say, source_dir: Path):
+    """`say` carrying one time-left estimate for conversion and verification together (stream.progress): the
+    writer's lines and the block-wise verifier's count the verification still to come. The phases' weights are
+    per element of the checkpoint, so their ratio is the same for every size; a source verified in memory
+    (up to VERIFY_IN_MEMORY_BYTES) weighs one conversion."""
+    from ..stream.progress import CONVERT_WEIGHT, IN_MEMORY_VERIFY_WEIGHT, VERIFY_PASS_WEIGHTS, Reporter, Work
+
+    try:
+        blockwise = open_source(source_dir).total_bytes > VERIFY_IN_MEMORY_BYTES
+    except NormfoldError:  # the conversion itself says what is wrong
+        blockwise = True
+    verify = sum(VERIFY_PASS_WEIGHTS) if blockwise else IN_MEMORY_VERIFY_WEIGHT
+    return Reporter(say, Work({"convert": CONVERT_WEIGHT, "verify": verify}))
 
 
 @contextlib.contextmanager

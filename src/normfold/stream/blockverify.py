@@ -46,6 +46,7 @@ from ..verify import (CENTERED_OUTPUTS, ULP_FLOOR, WORKING_FACTOR, TensorDiff, d
                       diff_outputs, explain_failures, run_model, stored_weights_tolerance, top1_agreement)
 from .memory import BufferPool, Ledger
 from .passes import Pass, block_diff, stream_in, to_stream
+from .progress import PassProgress
 from .reader import CheckpointReader
 from .skeleton import build_skeleton, checkpoint_keys, find_units
 from .streamer import Streamer
@@ -85,7 +86,7 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     report = inspect_converted(converted_dir)[0] if os.path.lexists(converted_dir / REPORT_FILE) else None
     if centered is None:
         centered = tuple(report.centered_outputs) if report is not None and report.centered_outputs else CENTERED_OUTPUTS
-    timer = _PassTimer(progress)
+    timer = _PassTimer(progress, getattr(progress, "work", None))
     say = timer.say
 
     o_read, c_read = CheckpointReader(original_dir), CheckpointReader(converted_dir)
@@ -107,10 +108,17 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
 
     threads = _pass_threads()
 
+    track = PassProgress(getattr(progress, "work", None), progress)  # the command's time-left estimate
+
     def run(streamer, units, dtype, **kw):
         streamer.set_dtype(dtype, pool_units=units[0])
-        with _threads(threads), Pass(streamer, *units, **kw) as p:
-            out = run_model(streamer.model, inputs)
+        track.start(timer.step, _pass_elements(streamer, units, replaced=kw.get("replace") is not None))
+        streamer.on_free = track.done
+        try:
+            with _threads(threads), Pass(streamer, *units, **kw) as p:
+                out = run_model(streamer.model, inputs)
+        finally:
+            streamer.on_free = None
         return p, out
 
     say("original in float64")
@@ -204,8 +212,8 @@ class _PassTimer:
     """The progress callback, and with NORMFOLD_VERIFY_TIMES=1 in the environment each step's wall and
     CPU seconds on stderr (one line per pass, `verify pass <seconds> s wall, <seconds> s CPU: <pass>`)."""
 
-    def __init__(self, progress) -> None:
-        self.progress = progress
+    def __init__(self, progress, work=None) -> None:
+        self.progress, self.work = progress, work
         self.on = os.environ.get("NORMFOLD_VERIFY_TIMES", "") not in ("", "0")
         self.step, self.t0, self.c0 = None, 0.0, 0.0
 
@@ -213,7 +221,7 @@ class _PassTimer:
         self.done()
         self.step, self.t0, self.c0 = msg, time.perf_counter(), time.process_time()
         if self.progress is not None and not quiet:
-            self.progress(msg)
+            self.progress(msg + (self.work.suffix() if self.work is not None else ""))
 
     def done(self) -> None:
         if self.on and self.step is not None:
@@ -265,6 +273,18 @@ def _working_blocks(ref, p_ow, p_cw, floor) -> list[dict]:
         rows.append({"name": name, "converted_rel_error": c_rel, "original_rel_error": o_rel,
                      "ok": c_rel <= WORKING_FACTOR * o_rel + floor})
     return rows
+
+
+
+def _pass_elements(streamer: Streamer, units, replaced: bool) -> int:
+    """Elements a pass loads (its progress): every unit once, the blocks unless replaced, the resident
+    modules' own parameters."""
+    blocks, others, resident = units
+    n = sum(streamer.elements(u) for u in ([] if replaced else list(blocks)) + list(others))
+    for path in resident:
+        m = streamer.model.get_submodule(path) if path else streamer.model
+        n += sum(streamer.elements(f"{path}.{k}" if path else k) for k, v in m._parameters.items() if v is not None)
+    return n
 
 
 

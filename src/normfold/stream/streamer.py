@@ -40,6 +40,7 @@ class Streamer:
         self.lookup_rows: dict[str, Tensor] = {}  # unit -> the token ids its next load is for (embeddings)
         self.skip: dict[str, str] = {}  # unit -> a parameter its next load leaves out (a head run in row chunks)
         self.reusable: set[int] = set()  # data pointers of loaded tensors filled whole (a pooled buffer can be refilled)
+        self.on_free = None  # called with the elements of each unit done with (a pass's progress)
         buffers = {n for n, _ in model.named_buffers()}
         self.keymap = checkpoint_keys(model, list(reader.files), set(self.slots) | buffers)
         # Persistent buffers stored in the checkpoint (small: position ids, a head's row means, ...)
@@ -83,6 +84,10 @@ class Streamer:
             todo.extend(m.children())
             todo.extend(v for k, v in vars(m).items() if isinstance(v, nn.Module) and k != "_modules")
         return [full for mid in seen for full in self.of_module.get(mid, [])]
+
+    def elements(self, path: str) -> int:
+        """Elements of the unit's parameters (whatever their dtype)."""
+        return sum(math.prod(self.slots[f][2]) for f in self.unit_slots(path))
 
     def nbytes(self, path: str) -> int:
         """Bytes the unit's parameters take in the current dtype."""
@@ -215,3 +220,5 @@ class Streamer:
         self.ledger.sub(n)
         if not self.pool.bytes:
             return_freed_memory()
+        if self.on_free is not None:
+            self.on_free(self.elements(path))

@@ -94,13 +94,15 @@ class _Writer:
 
 class _Progress:
     """One line per output file: bytes done, rate and time left from the average rate since the start (it
-    does not jump with one slow or fast tensor)."""
+    does not jump with one slow or fast tensor). With `work` (the command's `progress.Work`), the time left is
+    the whole command's, the verification still to come included."""
 
     STEPS = 10  # and a line each time another tenth of the bytes is done (integers: 0.1 * 3 < 0.3 skipped one),
     GAP = 1.0  # but not within a second of the last line (a small checkpoint gets its header line only)
 
-    def __init__(self, total: int, say) -> None:
+    def __init__(self, total: int, say, work=None) -> None:
         self.total, self.say, self.t0, self.done = max(total, 1), say, time.perf_counter(), 0
+        self.work = work
         self.fname, self.next, self.last = "", 1, self.t0
 
     def _line(self, head: str) -> None:
@@ -108,7 +110,8 @@ class _Progress:
         line = f"{head}: {self.done / 1e9:.2f} of {self.total / 1e9:.2f} GB"
         if self.done and dt > 0.5:
             rate = self.done / dt
-            line += f", {rate / 1e9:.2f} GB/s, ~{(self.total - self.done) / rate:.0f} s left"
+            line += f", {rate / 1e9:.2f} GB/s"
+            line += self.work.suffix() if self.work is not None else f", ~{(self.total - self.done) / rate:.0f} s left"
         self.last = time.perf_counter()
         self.say(line)
 
@@ -118,6 +121,8 @@ class _Progress:
 
     def add(self, nbytes: int) -> None:
         self.done += nbytes
+        if self.work is not None:
+            self.work.update("convert", self.done / self.total)
         if self.done * self.STEPS >= self.next * self.total and self.done < self.total:
             self.next = self.done * self.STEPS // self.total + 1
             if time.perf_counter() - self.last >= self.GAP:
@@ -138,7 +143,7 @@ def write_checkpoint(out: Path, files, outputs, owner, comps, computer: Computer
             if i is not None and i not in seen:
                 seen.add(i)
                 order.append(i)
-    progress = _Progress(sum(n for *_, placed in layouts for _, _, n in placed), say)
+    progress = _Progress(sum(n for *_, placed in layouts for _, _, n in placed), say, getattr(say, "work", None))
     weight_map: dict[str, str] = {}
     digests: dict[str, dict] = {}
     pending: dict[str, torch.Tensor] = {}
