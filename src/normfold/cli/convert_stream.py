@@ -130,7 +130,7 @@ def run_streamed(args, source_dir: Path, summarize=None, prepared=None) -> int:
         guard.inspect_checkpoint(source_dir)  # broken or hostile files end here, before any work
     out = io.check_output_dir(args.out, args.force).absolute()
     steps = Steps(total=2, quiet=args.quiet)
-    note = _whole_command_progress(steps.note, source_dir)
+    note = _whole_command_progress(steps.note, source_dir, args.to)
     with output_lock(out), _disk_errors(out):
         with staged(out, args.force) as tmp:
             # announced once the lock and the staging directory exist: a Ctrl-C / SIGTERM from here on
@@ -177,19 +177,20 @@ def run_streamed(args, source_dir: Path, summarize=None, prepared=None) -> int:
     return 0
 
 
-def _whole_command_progress(say, source_dir: Path):
+def _whole_command_progress(say, source_dir: Path, to: str):
     """`say` carrying one time-left estimate for conversion and verification together (stream.progress): the
     writer's lines and the block-wise verifier's count the verification still to come. The phases' weights are
     per element of the checkpoint, so their ratio is the same for every size; a source verified in memory
     (up to VERIFY_IN_MEMORY_BYTES) weighs one conversion."""
-    from ..stream.progress import CONVERT_WEIGHT, IN_MEMORY_VERIFY_WEIGHT, VERIFY_PASS_WEIGHTS, Reporter, Work
+    from ..stream.progress import (CONVERT_WEIGHT, CONVERT_WEIGHTS, IN_MEMORY_VERIFY_WEIGHT, VERIFY_PASS_WEIGHTS,
+                                   Reporter, Work)
 
     try:
         blockwise = open_source(source_dir).total_bytes > VERIFY_IN_MEMORY_BYTES
     except NormfoldError:  # the conversion itself says what is wrong
         blockwise = True
     verify = sum(VERIFY_PASS_WEIGHTS) if blockwise else IN_MEMORY_VERIFY_WEIGHT
-    return Reporter(say, Work({"convert": CONVERT_WEIGHT, "verify": verify}))
+    return Reporter(say, Work({"convert": CONVERT_WEIGHTS.get(to, CONVERT_WEIGHT), "verify": verify}))
 
 
 @contextlib.contextmanager

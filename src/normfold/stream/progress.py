@@ -18,6 +18,9 @@ import time
 # docs/large-checkpoints.md, "Verification: per-pass cost"). Per element rather than per byte: the passes
 # cost what their matrix products and float64 casts cost, whatever the stored dtype.
 CONVERT_WEIGHT = 1.0
+# the conversion's weight per target (measured on the same checkpoint: --to crmsnorm convert 7.2 s, verify 9.0 s;
+# the way back --to layernorm from its rmsnorm conversion, convert 5.6 s, verify 8.1 s, under load 5)
+CONVERT_WEIGHTS = {"rmsnorm": CONVERT_WEIGHT, "crmsnorm": 1.6, "layernorm": 1.4}
 VERIFY_PASS_WEIGHTS = (0.52, 0.66, 0.08, 0.41, 0.37)  # blockverify's passes 1..5, in order
 IN_MEMORY_VERIFY_WEIGHT = 1.0  # small sources (verified in memory): one step, about the conversion's cost
 
@@ -61,8 +64,9 @@ class Work:
 
 class PassProgress:
     """Block-wise verification's share of a `Work`: its k-th pass (`start`, weight `VERIFY_PASS_WEIGHTS[k]`)
-    advances by the fraction of that pass's elements loaded so far (`done(elements)`, as each unit is freed). With `say`, a line
-    `  <pass>: N %, ~S s left` at most every GAP seconds within a pass (the pass's own line starts it)."""
+    advances by the fraction of that pass's elements done so far (`done(elements)`, as each unit is freed).
+    With `say`, a line `  <pass>: N %, ~S s left` at most every GAP seconds within a pass (the pass's own line
+    starts it)."""
 
     GAP = 1.0
 
