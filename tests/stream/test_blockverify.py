@@ -303,8 +303,8 @@ def test_reused_buffers_and_embedding_rows_change_nothing(tmp_path, monkeypatch)
 @pytest.mark.parametrize("kw", [{}, {"untie": True}, {"to": "crmsnorm"}],
                          ids=["tied-head", "linear-head", "crmsnorm-tied-head"])
 def test_large_head_runs_in_row_chunks_in_float64(tmp_path, monkeypatch, kw):
-    """A head whose matrix is larger than a block (the vocabulary × width table) runs over row chunks in the
-    float64 passes of a float32 checkpoint, both the original's nn.Linear and the converted one (tied to the table, or
+    """A head whose matrix is larger than a block (the vocabulary × width table) runs over row chunks in every
+    pass over a float32 checkpoint (float64 and float32), both the original's nn.Linear and the converted one (tied to the table, or
     untied nn.Linear, or Pre-CRMSNorm's head tied to the d−1 table): no float64 copy of the whole table, and the
     same verdict and errors (to the float64 summation blocking) as the whole-table run, against the in-memory
     verification."""
@@ -324,8 +324,10 @@ def test_large_head_runs_in_row_chunks_in_float64(tmp_path, monkeypatch, kw):
 
     monkeypatch.setattr(Streamer, "run_rows", small_chunks)
     chunked = verify_blockwise(tmp_path / "orig", tmp_path / "conv")
-    assert {p for p, _ in calls} == {"lm_head"} and {d for _, d in calls} == {torch.float64}
-    assert len(calls) == 3  # the three float64 passes: original, converted, converted heads only (16 chunks each)
+    assert {p for p, _ in calls} == {"lm_head"} and {d for _, d in calls} == {torch.float64, torch.float32}
+    # the three float64 passes (original, converted, converted heads only: 16 chunks each) and the two float32
+    # ones (the stored table, larger than a float32 block, read in chunks too)
+    assert [d for _, d in calls].count(torch.float64) == 3 and len(calls) == 5
     monkeypatch.setattr(Streamer, "row_chunked", lambda self, path, module: None)
     whole = verify_blockwise(tmp_path / "orig", tmp_path / "conv")
     ref = in_memory(tmp_path / "orig", tmp_path / "conv")
@@ -334,7 +336,7 @@ def test_large_head_runs_in_row_chunks_in_float64(tmp_path, monkeypatch, kw):
     assert chunked["blockwise"]["peak_weight_bytes"] < whole["blockwise"]["peak_weight_bytes"]
     for a, b in zip(chunked["fp64"]["outputs"], whole["fp64"]["outputs"]):
         assert a["name"] == b["name"] and abs(a["max_rel"] - b["max_rel"]) <= 1e-13, (a, b)
-    assert chunked["working"] == whole["working"]  # the working-dtype passes hold the stored table: untouched
+    assert chunked["working"] == whole["working"]  # each output column its own dot product: the same bits here
 
 
 def test_one_thread_passes_and_comparisons_give_the_same_numbers(tmp_path, monkeypatch, capsys):

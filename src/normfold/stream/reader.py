@@ -134,6 +134,10 @@ class CheckpointReader:
         first, last = rows if rows is not None else (0, shape[0])
         if out is None:
             out = torch.empty((last - first, *shape[1:]), dtype=dtype)
+        if stored == dtype and out.is_contiguous():  # nothing to cast: read straight into `out`
+            with _checkpoint_errors(entry.file):
+                read_into(entry.file, entry.start + first * row, out)
+            return out
         step = max(1, chunk_bytes // row)
         with _checkpoint_errors(entry.file):
             for i in range(first, last, step):

@@ -145,11 +145,12 @@ class Streamer:
 
     def row_chunked(self, path: str, module: nn.Module) -> str | None:
         """The weight slot of a head to run in row chunks, or None. A plain nn.Linear, nn.TiedHead or
-        Pre-CRMSNorm TiedCompressedHead (its d−1 table) whose matrix, cast to this pass's dtype, is larger than
-        the pool's budget (the largest block): a float64 pass over a float32 or 16-bit checkpoint would
-        otherwise hold the whole table in float64 (the vocabulary × width embedding of a tied head: 0.64 GB at
-        GPT-2-XL's shapes). Each output (row) of these heads reads only its own row of the matrix and of
-        the per-row `bias` / `mean`."""
+        Pre-CRMSNorm TiedCompressedHead (its d−1 table) whose matrix, in this pass's dtype, is larger than the
+        pool's budget (the largest block): a float64 pass over a float32 or 16-bit checkpoint would otherwise hold
+        the whole table in float64 (the vocabulary × width embedding of a tied head: 0.64 GB at GPT-2-XL's
+        shapes), and a pass in the stored dtype the whole stored table (0.32 GB there: it set the verification's
+        peak, 109 MiB above the float64 passes', and faulted in fresh pages twice per run). Each output (row) of
+        these heads reads only its own row of the matrix and of the per-row `bias` / `mean`."""
         if type(module) not in (nn.Linear, TiedHead, TiedCompressedHead) or "forward" in vars(module):
             return None
         weight = module.weight  # a TiedHead's is its table's (a placeholder now): find the slot holding it
@@ -162,7 +163,7 @@ class Streamer:
             return None  # the load names the missing tensor
         shape, stored = self.reader.info(key)
         size = torch.tensor([], dtype=self.dtype).element_size()
-        if stored == self.dtype or not stored.is_floating_point or math.prod(shape) * size <= self.pool.budget:
+        if not stored.is_floating_point or math.prod(shape) * size <= self.pool.budget:
             return None
         return slot
 
