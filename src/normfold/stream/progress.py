@@ -1,7 +1,7 @@
 """One time-left estimate for a whole streamed command: the conversion and its verification as phases of
 one job, each weighted by its measured cost, so that the estimate printed while the shards are written
 already counts the verification still to come (before, it counted the conversion only and fell to ~0 s
-with more than half of the command still ahead).
+with about two thirds of the command still ahead).
 
 Each phase reports the fraction of itself that is done; the estimate is the average rate since the start
 (elapsed seconds per unit of weighted work) times the work left. It does not follow single slow or fast
@@ -15,7 +15,7 @@ import time
 
 # Cost per element of the checkpoint, relative to the streamed conversion's (measured on 2 vCPUs, a 1.68 GB
 # float32 GPT-2-style checkpoint, d = 1600: conversion 3.4 s; verification 7.1 s in five passes, see
-# docs/large-checkpoints.md, "Verification: per-pass cost"). Per element rather than per byte: the passes
+# docs/large-checkpoints.md, "Verification cost, overlap and the time left"). Per element rather than per byte: the passes
 # cost what their matrix products and float64 casts cost, whatever the stored dtype.
 CONVERT_WEIGHT = 1.0
 # the conversion's weight per target (measured on the same checkpoint: --to crmsnorm convert 7.2 s, verify 9.0 s;
