@@ -76,7 +76,9 @@ class _Points:
     unrotate: list = field(default_factory=list)  # final norms whose input gets ·Qᵀ
 
 
-def _points(plan: ConversionPlan) -> list[_Points]:
+def rotation_points(plan: ConversionPlan) -> list[_Points]:
+    """Per stream of `plan`: where the in-memory rotation does not go through the weights (`_Points`); refuses
+    what it cannot place."""
     out = []
     for stream in plan.streams:
         pts = _Points()
@@ -233,7 +235,7 @@ def apply_rotation(model: nn.Module, plan: ConversionPlan, options: ConvertOptio
     online Hadamard before each MLP down-projection (`add_online_hadamard`)."""
     if kind not in algebra.rotation.KINDS:
         raise UnsupportedConversionError(f"unknown rotation {kind!r}; choose one of {', '.join(algebra.rotation.KINDS)}")
-    points = _points(plan)
+    points = rotation_points(plan)
     dtype = working_dtype(model)
     model.to(torch.float64)
     try:
