@@ -95,3 +95,83 @@ def test_explicit_rotations_and_online_are_refused(tmp_path):
     with pytest.raises(StreamUnsupportedError, match="rotate-online"):
         stream_convert(src, tmp_path / "out", rotate="hadamard", options=normfold.ConvertOptions(rotate_online=True))
     assert not any((tmp_path / "out").iterdir())
+
+
+# a block's MLP writer and its stream axis
+BLOCK_KEYS = {"gpt2": ("transformer.h.1", "transformer.h.1.mlp.c_proj.weight", 1),
+              "opt": ("model.decoder.layers.1", "model.decoder.layers.1.fc2.weight", 0),
+              "gpt_neox": ("gpt_neox.layers.1", "gpt_neox.layers.1.mlp.dense_4h_to_h.weight", 0)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("family,head", FAMILIES)
+def test_streamed_rotation_passes_blockwise_and_a_wrong_tensor_fails(tmp_path, family, head, kind):
+    """The block-wise verifier maps the original's stream by Q (structure.rotation: kind + seed): the streamed
+    rotated output passes, every block and head within the float64 tolerance; the same output with one block's
+    writer rotated twice (t·Q·Q, a rotation applied again) fails, and that block is the one named."""
+    from normfold.algebra import rotate_axis
+    from normfold.rotate import rotation_of
+    from normfold.stream.blockverify import verify_blockwise
+
+    from test_blockverify import _rewrite
+
+    src = _source(tmp_path, family, head)
+    (tmp_path / "st").mkdir()
+    report = stream_convert(src, tmp_path / "st", rotate=kind, rotate_seed=1)
+    good = verify_blockwise(src, tmp_path / "st")
+    assert good["passed"], good["fp64"]
+    assert good["fp64"]["max_rel_error"] < good["fp64"]["tolerance"]
+    assert all(b["passed"] for b in good["fp64"]["blocks"]) and good["fp64"]["heads"]
+    if kind == "hadamard":  # the mapping by Q is what passes it: without it every block fails
+        import pytest as _pt
+
+        with _pt.MonkeyPatch.context() as mp:
+            mp.setattr("normfold.stream.blockverify._rotation", lambda report, centered: ({}, None))
+            unmapped = verify_blockwise(src, tmp_path / "st")
+        assert not unmapped["passed"] and unmapped["blockwise"]["failed_blocks"]
+    bad_block, key, axis = BLOCK_KEYS[family]
+    (q,) = rotation_of(report.structure.rotation).values()
+    _rewrite(tmp_path / "st", key, lambda t: rotate_axis(t, q, axis, center=True))
+    bad = verify_blockwise(src, tmp_path / "st")
+    assert not bad["passed"] and not bad["fp64"]["passed"]
+    assert bad["blockwise"]["failed_blocks"] == [bad_block]
+
+
+@pytest.mark.parametrize("verify_in_memory", [True, False], ids=["verified-in-memory", "verified-blockwise"])
+def test_cli_streams_rotation_verified_and_equal_to_never(tmp_path, capsys, monkeypatch, verify_in_memory):
+    """`normfold convert SRC --rotate hadamard` streams by default (auto) and with always; verified in memory
+    (small sources) or block by block, passing; the same tensors as `--stream never`."""
+    import json
+
+    from normfold.cli import convert_stream as stream_cli
+    from normfold.cli import main
+
+    if not verify_in_memory:
+        monkeypatch.setattr(stream_cli, "VERIFY_IN_MEMORY_BYTES", 0)
+    src = _source(tmp_path, "gpt2", "GPT2LMHeadModel")
+    for mode, out in (("auto", "auto"), ("always", "always"), ("never", "never")):
+        assert main(["convert", str(src), "--out", str(tmp_path / out), "--stream", mode, "-q", "--json",
+                     "--rotate", "hadamard", "--rotate-seed", "2"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        v = report["verification"]
+        assert v["passed"] is True and v["fp64"]["passed"] is True
+        assert ("normfold.stream" in " ".join(report["notes"])) == (mode != "never")
+        assert ("blockwise" in v) == (mode != "never" and not verify_in_memory)
+        assert report["structure"]["rotation"]["seed"] == 2
+    assert tensors_bytes(tmp_path / "auto") == tensors_bytes(tmp_path / "never") == tensors_bytes(tmp_path / "always")
+
+
+def test_cli_explicit_rotation_refused_with_always_and_in_memory_with_auto(tmp_path, capsys):
+    import json
+
+    from normfold.cli import main
+
+    src = _source(tmp_path, "bloom", "BloomForCausalLM")
+    code = main(["convert", str(src), "--out", str(tmp_path / "o"), "--stream", "always", "-q", "--rotate", "hadamard"])
+    err = capsys.readouterr().err
+    assert code == 2 and "explicit" in err and "Traceback" not in err and err.strip().count("\n") == 0
+    assert not (tmp_path / "o").exists()
+    assert main(["convert", str(src), "--out", str(tmp_path / "m"), "-q", "--json", "--rotate", "hadamard"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "normfold.stream" not in " ".join(report["notes"]) and report["verification"]["passed"] is True
+    assert report["structure"]["rotation"]["explicit"]

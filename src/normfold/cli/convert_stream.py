@@ -53,11 +53,9 @@ def blockers(args) -> list[str]:
                      ("--option", args.option), ("--dry-run", args.dry_run)):
         if on:
             why.append(f"{flag} needs the in-memory model")
-    for flag, on in (("--rotate", getattr(args, "rotate", None)),
-                     ("--rotate-online", getattr(args, "rotate_online", False))):
-        if on:
-            why.append(f"{flag} is not streamed yet (the rotation must act on the float64 fold before its one "
-                       "rounding, and the block-wise verifier does not compare rotated hidden states)")
+    if getattr(args, "rotate_online", False):
+        why.append("--rotate-online is not streamed (its online Hadamard ops need normfold.load, and the block-wise "
+                   "verifier does not run them)")
     if args.dtype not in ("auto", None):
         why.append("--dtype other than auto (streaming keeps the checkpoint's dtype)")
     if not args.out and not args.dry_run:
@@ -85,7 +83,8 @@ def _prepare_reverse(args, source_dir: Path):
 
 def _prepare(args, source_dir: Path):
     return prepare(source_dir, to=args.to, keep_affine=args.keep_affine, fold_final=args.fold_final,
-                   allow_new_bias=args.allow_new_bias, pad=args.pad, untie=getattr(args, "untie", False))
+                   allow_new_bias=args.allow_new_bias, pad=args.pad, untie=getattr(args, "untie", False),
+                   rotate=getattr(args, "rotate", None), rotate_seed=getattr(args, "rotate_seed", None))
 
 
 def maybe_stream(args, summarize=None) -> int | None:
@@ -146,7 +145,7 @@ def run_streamed(args, source_dir: Path, summarize=None, prepared=None) -> int:
                 verify_streamed(source_dir, tmp, report, fp64_tol=args.fp64_tol, seed=args.seed,
                                 fold_final=args.fold_final, keep_affine=args.keep_affine,
                                 allow_new_bias=args.allow_new_bias, pad=bool(args.pad),
-                                untie=getattr(args, "untie", False), progress=steps.note)
+                                untie=getattr(args, "untie", False), options=prepared.options, progress=steps.note)
             if not args.model:
                 report.source["model"] = "bundled:kjv-gpt2"  # as the in-memory path names it
             v = report.verification
@@ -220,19 +219,23 @@ def staged(out: Path, force: bool):
 
 def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float = 1e-9, seed: int = 0,
                      fold_final: bool = False, keep_affine: bool = False, allow_new_bias: bool = False,
-                     pad: bool = False, untie: bool = False, progress=None) -> None:
+                     pad: bool = False, untie: bool = False, options=None, progress=None) -> None:
     """Verify a streamed output: sources up to VERIFY_IN_MEMORY_BYTES in memory exactly as `normfold convert`
     verifies them, larger ones block by block in bounded memory (`normfold.stream.blockverify`, same
-    tolerances). Updates `report` and normfold.json."""
+    tolerances). `options`: the conversion's (a rotation is verified in the original basis, as normfold.convert
+    verifies it). Updates `report` and normfold.json."""
     import torch
 
     from ..adapters import find_adapter
-    from ..convert import VARIANTS, centered_outputs
+    from ..convert import ROTATOR, VARIANTS, centered_outputs, rotating_variant
     from ..options import ConvertOptions
     from ..report import ConversionReport
     from ..verify import verify_conversion
 
     skip = ("last_hidden_state", "hidden_states[-1]") if fold_final else ()  # γ went into the head
+    rotate = options.rotate if options is not None else None
+    if rotate is not None:  # as normfold.convert: every final norm's γ/β went into the heads
+        skip = ("*last_hidden_state", "*hidden_states[-1]")
     if open_source(source_dir).total_bytes > VERIFY_IN_MEMORY_BYTES:
         # too big to hold twice: block by block, each converted block on the original's hidden states
         from ..stream.blockverify import verify_blockwise
@@ -249,8 +252,11 @@ def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float 
         converted = io.load(out_dir)
         adapter = find_adapter(original)
         variant = VARIANTS[report.variant]
-        options = ConvertOptions(to=report.variant, keep_affine=keep_affine, fold_final=fold_final,
-                                 allow_new_bias=allow_new_bias, pad=pad, untie=untie)
+        if rotate is None:
+            options = ConvertOptions(to=report.variant, keep_affine=keep_affine, fold_final=fold_final,
+                                     allow_new_bias=allow_new_bias, pad=pad, untie=untie)
+        else:
+            variant = rotating_variant(variant, rotate, options.rotate_seed, options.keep_affine, False)
 
         def reconvert(m):
             scratch = ConversionReport(variant=report.variant, adapter=adapter.name, architecture="", dtype="",
@@ -259,8 +265,10 @@ def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float 
             return m.eval()
 
         inputs = adapter.example_inputs(original, torch.Generator().manual_seed(seed))
+        centered = centered_outputs(adapter.plan(original))
+        output_map = ROTATOR["rotator"].output_map(report.structure.rotation, centered) if rotate else None
         report.verification = verify_conversion(original, converted, inputs, reconvert=reconvert, fp64_tol=fp64_tol,
-                                                skip=skip, centered=centered_outputs(adapter.plan(original))).to_dict()
+                                                skip=skip, centered=centered, output_map=output_map).to_dict()
     (Path(out_dir) / io.REPORT_FILE).write_text(report.to_json() + "\n")
 
 
