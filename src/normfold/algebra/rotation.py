@@ -112,9 +112,15 @@ def rotate_axis(t: Tensor, q: Tensor, dim: int, center: bool = False) -> Tensor:
         raise ValueError(f"axis {dim} of a {tuple(t.shape)} tensor has length {d}, the rotation {q.shape[0]}")
     q = q.to(torch.float64)
     flat = t64.reshape(-1, d)
-    out = torch.empty(flat.shape, dtype=torch.float64)
+    if t.dim() == 2:  # blocks written straight into t's own layout: no second float64 copy to make it contiguous
+        res = torch.empty(t.shape, dtype=torch.float64)
+        out = res.movedim(dim, -1)
+    else:
+        res = out = torch.empty(flat.shape, dtype=torch.float64)
     for a, b in row_blocks(flat.shape[0], d):
         out[a:b] = rotate_rows(flat[a:b], q, center)
+    if t.dim() == 2:
+        return res if t.dtype == torch.float64 else res.to(t.dtype)
     return out.reshape(t64.shape).movedim(-1, dim).to(t.dtype).contiguous()
 
 

@@ -117,7 +117,8 @@ class RotatingComputer(Computer):
             out = None if big is None else self._by_blocks(comp, keys, tensors, big, saved)
             if out is None:
                 self._restore(saved)
-                out = self._once(comp, keys, {n: t.to(torch.float64) for n, t in tensors.items()})
+                # each read buffer let go as soon as its float64 copy exists
+                out = self._once(comp, keys, {n: tensors.pop(n).to(torch.float64) for n in list(tensors)})
                 out = {k: v.to(self.dtypes[k]) for k, v in out.items()}
             return out
         finally:
