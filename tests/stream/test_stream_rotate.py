@@ -21,7 +21,7 @@ KINDS = ["hadamard", "orthogonal"]
 
 def _source(tmp_path, family, head, dtype=torch.float32):
     example = get_adapter(family).examples[0]
-    src = make_checkpoint(example, head, tmp_path / "src", dtype=dtype, shard="20KB")
+    src = make_checkpoint(example, head or example.heads[0], tmp_path / "src", dtype=dtype, shard="20KB")
     assert len(weight_files(src)) > 1
     return src
 
@@ -46,7 +46,7 @@ def _assert_same(tmp_path, mem_report, report):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("family,head", FAMILIES)
+@pytest.mark.parametrize("family,head", FAMILIES + [("vit", None)])
 def test_streamed_rotation_equals_in_memory(tmp_path, family, head, kind):
     _, mem_report, report = _both(tmp_path, family, head, kind, seed=3)
     _assert_same(tmp_path, mem_report, report)

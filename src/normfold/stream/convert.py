@@ -25,6 +25,9 @@ and a writer thread, `writer.write_checkpoint`), and freed tensor memory is reus
 (`safetensors_io.reuse_freed_memory`). `prepare` does every check that needs no weights: the CLI's
 `--stream auto` streams whenever it succeeds.
 
+`rotate="hadamard"|"orthogonal"` streams too (`stream/rotation.py`: each component in float64 from read to one
+rounding, the in-memory rotation's own functions; the same bytes), except models rotated through explicit hooks.
+
 The parts: `source` (the checkpoint's headers, the meta model, tensor names), `plan` (edits, components, output
 tensors and files), `compute` (one component's values), `writer` (files written, overlapped with reading and
 computing), `safetensors_io` (bytes in and out); this module prepares and runs them.
@@ -150,7 +153,7 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                    untie: bool | None = None, rotate: str | None = None, rotate_seed: int | None = None,
                    progress: Progress | None = None, prepared: Prepared | None = None) -> ConversionReport:
     """Convert the safetensors checkpoint in `source_dir` into `out_dir` (an existing empty directory)
-    shard by shard, to Pre-RMSNorm or Pre-CRMSNorm (`pad` too). Writes the weights (sharded like the source
+    shard by shard, to Pre-RMSNorm or Pre-CRMSNorm (`pad` too), rotated with `rotate` / `rotate_seed`. Writes the weights (sharded like the source
     when it is stock-reloadable, else one normfold_model.safetensors), config.json, the tokenizer/generation
     files and normfold.json: the same bytes as `normfold.convert` + `normfold.save`.
     Verification is not run here (the report says so); see `normfold.cli.convert_stream.verify_streamed`.
