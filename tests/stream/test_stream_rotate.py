@@ -175,3 +175,24 @@ def test_cli_explicit_rotation_refused_with_always_and_in_memory_with_auto(tmp_p
     report = json.loads(capsys.readouterr().out)
     assert "normfold.stream" not in " ".join(report["notes"]) and report["verification"]["passed"] is True
     assert report["structure"]["rotation"]["explicit"]
+
+
+def test_normfold_verify_blockwise_on_a_rotated_checkpoint_equals_in_memory(tmp_path, capsys):
+    """`normfold verify ORIGINAL ROTATED --blockwise` (the mapping by Q) reports the float64 error that the
+    in-memory check (`--no-blockwise`, rotate.unrotate_outputs) reports, and both pass."""
+    import json
+
+    from normfold.cli import main
+
+    src = _source(tmp_path, "opt", "OPTForCausalLM")
+    assert main(["convert", str(src), "--out", str(tmp_path / "o"), "-q", "--rotate", "orthogonal"]) == 0
+    capsys.readouterr()
+    got = {}
+    for flag in ("--blockwise", "--no-blockwise"):
+        assert main(["verify", str(src), str(tmp_path / "o"), flag, "--json"]) == 0
+        d = json.loads(capsys.readouterr().out)
+        got[flag] = d.get("verification", d)
+    assert "blockwise" in got["--blockwise"] and "blockwise" not in got["--no-blockwise"]
+    assert got["--blockwise"]["passed"] and got["--no-blockwise"]["passed"]
+    assert got["--blockwise"]["fp64"]["max_rel_error"] == pytest.approx(got["--no-blockwise"]["fp64"]["max_rel_error"],
+                                                                        rel=1e-6)
