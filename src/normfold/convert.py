@@ -88,7 +88,7 @@ def register_rotator(apply: Callable[..., None], output_map: Callable[..., Calla
     ROTATOR["rotator"] = Rotator(apply, output_map)
 
 
-def _rotating_variant(variant: Variant, rotate: str, seed: int, keep_affine: bool, online: bool) -> Variant:
+def rotating_variant(variant: Variant, rotate: str, seed: int, keep_affine: bool, online: bool) -> Variant:
     if variant.name != "rmsnorm":
         raise UnsupportedConversionError(f"--rotate works with --to rmsnorm (got --to {variant.name}): the "
                                          "rotated stream is the Pre-RMSNorm one")
@@ -739,7 +739,7 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
     if rotate_online and rotate is None:
         raise UnsupportedConversionError("--rotate-online needs --rotate hadamard|orthogonal")
     if rotate is not None:
-        variant = _rotating_variant(variant, rotate, rotate_seed, options.keep_affine, rotate_online)
+        variant = rotating_variant(variant, rotate, rotate_seed, options.keep_affine, rotate_online)
         fold_final = True  # the final norms' γ must leave the stream before it is rotated
         # a tied head cannot stay the table: the final norm's γ folds into the head (diag(γ) on the rotated
         # basis), so rotation converts with the untied form (the report notes it)

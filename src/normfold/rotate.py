@@ -76,7 +76,9 @@ class _Points:
     unrotate: list = field(default_factory=list)  # final norms whose input gets ·Qᵀ
 
 
-def _points(plan: ConversionPlan) -> list[_Points]:
+def rotation_points(plan: ConversionPlan) -> list[_Points]:
+    """Per stream of `plan`: where the in-memory rotation does not go through the weights (`_Points`); refuses
+    what it cannot place."""
     out = []
     for stream in plan.streams:
         pts = _Points()
@@ -129,37 +131,48 @@ def _fold_kept_gammas(model: nn.Module, plan: ConversionPlan, report: Conversion
         site, pts = where.get(rec.name, (None, None))
         if pts is not None and rec.name in pts.pre_norms:
             continue
-        norm = get(model, rec.name)
-        readers = [get(model, r) for r in (site.readers if site else ())]
+        readers = site.readers if site else ()
         if not readers:
             if site is not None and site.final:
                 pts.unrotate.append(rec.name)  # the model's output is the stream itself: keep γ/β, rotate back
                 continue
             raise _refuse(f"the γ of {rec.name} cannot be folded: its output is not read only by linear modules")
-        if not all(algebra.is_linear_reader(r) or algebra.is_conv_reader(r) for r in readers):
-            raise _refuse(f"the γ of {rec.name} cannot be folded: a reader of it is not a linear module")
-        gamma = norm.weight
-        if bool((gamma.detach() == 0).any()):
-            raise _refuse(f"the γ of {rec.name} has {int((gamma.detach() == 0).sum())} zero entries: β/γ is "
-                          "undefined, so β cannot stay behind while γ moves into the readers")
-        for path, reader in zip(site.readers, readers):
-            lay = algebra.layout_of(reader)
-            w = getattr(reader, lay.weight)
-            b = getattr(reader, lay.bias, None) if lay.bias else None
-            if algebra.is_conv_reader(reader):
-                new_w, _ = algebra.fold_affine_conv(w, b, gamma, None, reader.groups)
-            else:
-                new_w, _ = algebra.fold_affine(w, b, gamma, None, lay.in_dim)
-            with torch.no_grad():
-                w.copy_(new_w)
-            edited += 1
-        with torch.no_grad():
-            if norm.bias is not None:
-                norm.bias.copy_(algebra.unfold_gamma_bias(norm.bias, gamma))
-                edited += 1
-        norm.weight = None
+        edited += fold_kept_gamma(model, site)
         rec.weight = False
         rec.folded_into = list(site.readers)
+    return edited
+
+
+def fold_kept_gamma(model: nn.Module, site) -> int:
+    """Step 2 for one norm (its readers given): γ into the readers, β/γ stays as the norm's bias, γ dropped.
+    Per norm, so the streamed conversion runs it on one component (normfold.stream). Returns #tensors edited."""
+    norm = get(model, site.path)
+    readers = [get(model, r) for r in site.readers]
+    if not all(algebra.is_linear_reader(r) or algebra.is_conv_reader(r) for r in readers):
+        raise _refuse(f"the γ of {site.path} cannot be folded: a reader of it is not a linear module")
+    gamma = norm.weight
+    if not gamma.is_meta and bool((gamma.detach() == 0).any()):  # on meta (the streamed structure pass) the
+        # values pass runs this again on the real γ
+        raise _refuse(f"the γ of {site.path} has {int((gamma.detach() == 0).sum())} zero entries: β/γ is "
+                      "undefined, so β cannot stay behind while γ moves into the readers")
+    edited = 0
+    for reader in readers:
+        lay = algebra.layout_of(reader)
+        w = getattr(reader, lay.weight)
+        b = getattr(reader, lay.bias, None) if lay.bias else None
+        if algebra.is_conv_reader(reader):
+            new_w, _ = algebra.fold_affine_conv(w, b, gamma, None, reader.groups)
+        else:
+            new_w, _ = algebra.fold_affine(w, b, gamma, None, lay.in_dim)
+        with torch.no_grad():
+            w.copy_(new_w)
+        edited += 1
+    with torch.no_grad():
+        if norm.bias is not None:
+            if not norm.bias.is_meta:
+                norm.bias.copy_(algebra.unfold_gamma_bias(norm.bias, gamma))
+            edited += 1
+    norm.weight = None
     return edited
 
 
@@ -170,23 +183,24 @@ def _stream_width(model: nn.Module, norms) -> int:
     return widths.pop()
 
 
-def _stream_tensors(model: nn.Module, stream, pts: _Points) -> list[tuple[nn.Parameter, int, bool]]:
-    """(parameter, stream axis, is a writer) of everything that touches this stream through weights."""
+def stream_tensor_names(model: nn.Module, stream, pts: _Points) -> list[tuple[str, int, bool]]:
+    """(parameter name, stream axis, is a writer) of everything that touches this stream through weights
+    (on the converted model: norms swapped, γ folded)."""
     out = []
     for path in stream.writers:
         if path in pts.pre_writers:
             continue
         obj = get(model, path)
         if isinstance(obj, nn.Parameter):
-            out.append((obj, obj.dim() - 1, True))
+            out.append((path, obj.dim() - 1, True))
             continue
         lay = algebra.layout_of(obj)
         if lay is None:
             raise _refuse(f"stream writer {path} is a {type(obj).__name__} with no known weight layout")
-        out.append((getattr(obj, lay.weight), lay.out_dim, True))
+        out.append((f"{path}.{lay.weight}", lay.out_dim, True))
         b = getattr(obj, lay.bias, None) if lay.bias else None
         if b is not None:
-            out.append((b, b.dim() - 1, True))
+            out.append((f"{path}.{lay.bias}", b.dim() - 1, True))
     for site in stream.norms:
         if site.path in pts.pre_norms or site.path in pts.unrotate:
             continue
@@ -194,12 +208,16 @@ def _stream_tensors(model: nn.Module, stream, pts: _Points) -> list[tuple[nn.Par
         if getattr(norm, "weight", None) is not None:
             raise _refuse(f"{site.path} still multiplies by γ")
         if getattr(norm, "bias", None) is not None:
-            out.append((norm.bias, 0, False))
+            out.append((f"{site.path}.bias", 0, False))
         for r in site.readers:
-            reader = get(model, r)
-            lay = algebra.layout_of(reader)
-            out.append((getattr(reader, lay.weight), lay.in_dim, False))
+            lay = algebra.layout_of(get(model, r))
+            out.append((f"{r}.{lay.weight}", lay.in_dim, False))
     return out
+
+
+def _stream_tensors(model: nn.Module, stream, pts: _Points) -> list[tuple[nn.Parameter, int, bool]]:
+    """(parameter, stream axis, is a writer) of everything that touches this stream through weights."""
+    return [(get(model, name), axis, writer) for name, axis, writer in stream_tensor_names(model, stream, pts)]
 
 
 def _module_params(model: nn.Module, path: str) -> list[nn.Parameter]:
@@ -217,7 +235,7 @@ def apply_rotation(model: nn.Module, plan: ConversionPlan, options: ConvertOptio
     online Hadamard before each MLP down-projection (`add_online_hadamard`)."""
     if kind not in algebra.rotation.KINDS:
         raise UnsupportedConversionError(f"unknown rotation {kind!r}; choose one of {', '.join(algebra.rotation.KINDS)}")
-    points = _points(plan)
+    points = rotation_points(plan)
     dtype = working_dtype(model)
     model.to(torch.float64)
     try:
@@ -240,9 +258,7 @@ def apply_rotation(model: nn.Module, plan: ConversionPlan, options: ConvertOptio
                     if done[id(p)] != d:
                         raise _refuse(f"a parameter is shared by streams of widths {done[id(p)]} and {d}")
                     continue
-                new = algebra.rotate_axis(p, q, axis)
-                if writer:
-                    new = algebra.center(new, axis)
+                new = algebra.rotate_axis(p, q, axis, center=writer)  # writers re-centred: see the docstring
                 with torch.no_grad():
                     p.copy_(new)
                 done[id(p)] = d

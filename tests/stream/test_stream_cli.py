@@ -46,13 +46,13 @@ def test_always_refuses_what_needs_memory(ckpt, tmp_path, capsys):
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("flag", [["--rotate", "hadamard"], ["--rotate", "orthogonal", "--rotate-online"]])
+@pytest.mark.parametrize("flag", [["--rotate", "orthogonal", "--rotate-online"]])
 def test_rotation_is_refused_by_name_and_converts_in_memory(ckpt, tmp_path, capsys, flag):
-    """Issue 26 item 3: --rotate does not stream yet. always: exit 2, one paragraph saying why, nothing written;
-    auto: the in-memory rotation (verified) runs instead."""
+    """Issue 26 item 3: --rotate streams (tests/stream/test_stream_rotate.py), --rotate-online does not. always:
+    exit 2, one paragraph saying why, nothing written; auto: the in-memory rotation (verified) runs instead."""
     code = main(["convert", str(ckpt), "--out", str(tmp_path / "o"), "--stream", "always", "-q", *flag])
     err = capsys.readouterr().err
-    assert code == 2 and "--rotate" in err and "not streamed yet" in err and "Traceback" not in err
+    assert code == 2 and "--rotate-online" in err and "not streamed" in err and "Traceback" not in err
     assert err.strip().count("\n") == 0
     assert not any(tmp_path.iterdir())
     assert main(["convert", str(ckpt), "--out", str(tmp_path / "m"), "-q", "--json", *flag]) == 0

@@ -74,15 +74,54 @@ def rotation_matrix(kind: str, d: int, seed: int = 0) -> tuple[Tensor, str]:
     return fix_ones(m), used
 
 
-def rotate_axis(t: Tensor, q: Tensor, dim: int) -> Tensor:
-    """t with its axis `dim` (the stream axis, length d) multiplied by Q: t ← t·Q along that axis.
-    Float64 inside, cast back to t's dtype once. Serves writers (output axis), tables, stream
-    parameters, readers (input axis) and a norm's bias alike (see the module docstring)."""
+# t·Q runs over row blocks of this many float64 bytes, each copied into a fresh contiguous buffer: MKL's GEMM
+# gives a row different bits depending on how many rows it is multiplied with (and where they sit), so a
+# fixed, shape-only blocking is what lets the streamed conversion (which holds one block of a large table at a
+# time) write the in-memory rotation's bytes. The same rule as the writers' row-chunked centring
+# (convert.CENTER_CHUNK_BYTES), so one streamed block is one chunk of both.
+ROW_BLOCK_BYTES = 4 * 1024 * 1024
+
+
+def row_blocks(n: int, d: int) -> list[tuple[int, int]]:
+    """[a, b) row ranges of the blocking above for n rows of width d (none of one row unless n == 1)."""
+    rows = max(2, ROW_BLOCK_BYTES // 8 // max(1, d))
+    bounds = [(a, min(a + rows, n)) for a in range(0, n, rows)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+        bounds[-2:] = [(bounds[-2][0], n)]
+    return bounds
+
+
+def rotate_rows(rows: Tensor, q: Tensor, center: bool = False) -> Tensor:
+    """One block (float64, m × d): a fresh contiguous copy times Q, centred along d when `center`."""
+    blk = torch.empty(rows.shape, dtype=torch.float64).copy_(rows)
+    out = blk @ q
+    return out - out.mean(dim=-1, keepdim=True) if center else out
+
+
+def rotate_axis(t: Tensor, q: Tensor, dim: int, center: bool = False) -> Tensor:
+    """t with its axis `dim` (the stream axis, length d) multiplied by Q: t ← t·Q along that axis, and
+    re-centred along it when `center` (writers: Q fixes 1 exactly in real arithmetic only). Float64
+    inside, over the fixed row blocks of `row_blocks`, cast back to t's dtype once. Serves writers
+    (output axis), tables, stream parameters, readers (input axis) and a norm's bias alike (see the
+    module docstring)."""
+    if t.is_meta:
+        return torch.empty_like(t)
     t64 = t.detach().to(torch.float64).movedim(dim, -1)
-    if t64.shape[-1] != q.shape[0]:
-        raise ValueError(f"axis {dim} of a {tuple(t.shape)} tensor has length {t64.shape[-1]}, the rotation "
-                         f"{q.shape[0]}")
-    return (t64 @ q.to(torch.float64)).movedim(-1, dim).to(t.dtype).contiguous()
+    d = t64.shape[-1]
+    if d != q.shape[0]:
+        raise ValueError(f"axis {dim} of a {tuple(t.shape)} tensor has length {d}, the rotation {q.shape[0]}")
+    q = q.to(torch.float64)
+    flat = t64.reshape(-1, d)
+    if t.dim() == 2:  # blocks written straight into t's own layout: no second float64 copy to make it contiguous
+        res = torch.empty(t.shape, dtype=torch.float64)
+        out = res.movedim(dim, -1)
+    else:
+        res = out = torch.empty(flat.shape, dtype=torch.float64)
+    for a, b in row_blocks(flat.shape[0], d):
+        out[a:b] = rotate_rows(flat[a:b], q, center)
+    if t.dim() == 2:
+        return res if t.dtype == torch.float64 else res.to(t.dtype)
+    return out.reshape(t64.shape).movedim(-1, dim).to(t.dtype).contiguous()
 
 
 def unfold_gamma_bias(beta: Tensor | None, gamma: Tensor) -> Tensor | None:

@@ -53,11 +53,9 @@ def blockers(args) -> list[str]:
                      ("--option", args.option), ("--dry-run", args.dry_run)):
         if on:
             why.append(f"{flag} needs the in-memory model")
-    for flag, on in (("--rotate", getattr(args, "rotate", None)),
-                     ("--rotate-online", getattr(args, "rotate_online", False))):
-        if on:
-            why.append(f"{flag} is not streamed yet (the rotation must act on the float64 fold before its one "
-                       "rounding, and the block-wise verifier does not compare rotated hidden states)")
+    if getattr(args, "rotate_online", False):
+        why.append("--rotate-online is not streamed (its online Hadamard ops need normfold.load, and the block-wise "
+                   "verifier does not run them)")
     if args.dtype not in ("auto", None):
         why.append("--dtype other than auto (streaming keeps the checkpoint's dtype)")
     if not args.out and not args.dry_run:
@@ -85,7 +83,8 @@ def _prepare_reverse(args, source_dir: Path):
 
 def _prepare(args, source_dir: Path):
     return prepare(source_dir, to=args.to, keep_affine=args.keep_affine, fold_final=args.fold_final,
-                   allow_new_bias=args.allow_new_bias, pad=args.pad, untie=getattr(args, "untie", False))
+                   allow_new_bias=args.allow_new_bias, pad=args.pad, untie=getattr(args, "untie", False),
+                   rotate=getattr(args, "rotate", None), rotate_seed=getattr(args, "rotate_seed", None))
 
 
 def maybe_stream(args, summarize=None) -> int | None:
@@ -130,7 +129,7 @@ def run_streamed(args, source_dir: Path, summarize=None, prepared=None) -> int:
         guard.inspect_checkpoint(source_dir)  # broken or hostile files end here, before any work
     out = io.check_output_dir(args.out, args.force).absolute()
     steps = Steps(total=2, quiet=args.quiet)
-    note = _whole_command_progress(steps.note, source_dir, args.to)
+    note = _whole_command_progress(steps.note, source_dir, args.to, rotate=bool(getattr(args, "rotate", None)))
     with output_lock(out), _disk_errors(out):
         with staged(out, args.force) as tmp:
             # announced once the lock and the staging directory exist: a Ctrl-C / SIGTERM from here on
@@ -147,7 +146,7 @@ def run_streamed(args, source_dir: Path, summarize=None, prepared=None) -> int:
                 verify_streamed(source_dir, tmp, report, fp64_tol=args.fp64_tol, seed=args.seed,
                                 fold_final=args.fold_final, keep_affine=args.keep_affine,
                                 allow_new_bias=args.allow_new_bias, pad=bool(args.pad),
-                                untie=getattr(args, "untie", False), progress=note)
+                                untie=getattr(args, "untie", False), options=prepared.options, progress=note)
             if not args.model:
                 report.source["model"] = "bundled:kjv-gpt2"  # as the in-memory path names it
             v = report.verification
@@ -177,20 +176,21 @@ def run_streamed(args, source_dir: Path, summarize=None, prepared=None) -> int:
     return 0
 
 
-def _whole_command_progress(say, source_dir: Path, to: str):
+def _whole_command_progress(say, source_dir: Path, to: str, rotate: bool = False):
     """`say` carrying one time-left estimate for conversion and verification together (stream.progress): the
     writer's lines and the block-wise verifier's count the verification still to come. The phases' weights are
     per element of the checkpoint, so their ratio is the same for every size; a source verified in memory
     (up to VERIFY_IN_MEMORY_BYTES) weighs one conversion."""
-    from ..stream.progress import (CONVERT_WEIGHT, CONVERT_WEIGHTS, IN_MEMORY_VERIFY_WEIGHT, VERIFY_PASS_WEIGHTS,
-                                   Reporter, Work)
+    from ..stream.progress import (CONVERT_WEIGHT, CONVERT_WEIGHTS, IN_MEMORY_VERIFY_WEIGHT, ROTATE_CONVERT_WEIGHT,
+                                   VERIFY_PASS_WEIGHTS, Reporter, Work)
 
     try:
         blockwise = open_source(source_dir).total_bytes > VERIFY_IN_MEMORY_BYTES
     except NormfoldError:  # the conversion itself says what is wrong
         blockwise = True
     verify = sum(VERIFY_PASS_WEIGHTS) if blockwise else IN_MEMORY_VERIFY_WEIGHT
-    return Reporter(say, Work({"convert": CONVERT_WEIGHTS.get(to, CONVERT_WEIGHT), "verify": verify}))
+    convert = ROTATE_CONVERT_WEIGHT if rotate else CONVERT_WEIGHTS.get(to, CONVERT_WEIGHT)
+    return Reporter(say, Work({"convert": convert, "verify": verify}))
 
 
 @contextlib.contextmanager
@@ -237,19 +237,23 @@ def staged(out: Path, force: bool):
 
 def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float = 1e-9, seed: int = 0,
                      fold_final: bool = False, keep_affine: bool = False, allow_new_bias: bool = False,
-                     pad: bool = False, untie: bool = False, progress=None) -> None:
+                     pad: bool = False, untie: bool = False, options=None, progress=None) -> None:
     """Verify a streamed output: sources up to VERIFY_IN_MEMORY_BYTES in memory exactly as `normfold convert`
     verifies them, larger ones block by block in bounded memory (`normfold.stream.blockverify`, same
-    tolerances). Updates `report` and normfold.json."""
+    tolerances). `options`: the conversion's (a rotation is verified in the original basis, as normfold.convert
+    verifies it). Updates `report` and normfold.json."""
     import torch
 
     from ..adapters import find_adapter
-    from ..convert import VARIANTS, centered_outputs
+    from ..convert import ROTATOR, VARIANTS, centered_outputs, rotating_variant
     from ..options import ConvertOptions
     from ..report import ConversionReport
     from ..verify import verify_conversion
 
     skip = ("last_hidden_state", "hidden_states[-1]") if fold_final else ()  # γ went into the head
+    rotate = options.rotate if options is not None else None
+    if rotate is not None:  # as normfold.convert: every final norm's γ/β went into the heads
+        skip = ("*last_hidden_state", "*hidden_states[-1]")
     if open_source(source_dir).total_bytes > VERIFY_IN_MEMORY_BYTES:
         # too big to hold twice: block by block, each converted block on the original's hidden states
         from ..stream.blockverify import verify_blockwise
@@ -266,8 +270,11 @@ def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float 
         converted = io.load(out_dir)
         adapter = find_adapter(original)
         variant = VARIANTS[report.variant]
-        options = ConvertOptions(to=report.variant, keep_affine=keep_affine, fold_final=fold_final,
-                                 allow_new_bias=allow_new_bias, pad=pad, untie=untie)
+        if rotate is None:
+            options = ConvertOptions(to=report.variant, keep_affine=keep_affine, fold_final=fold_final,
+                                     allow_new_bias=allow_new_bias, pad=pad, untie=untie)
+        else:
+            variant = rotating_variant(variant, rotate, options.rotate_seed, options.keep_affine, False)
 
         def reconvert(m):
             scratch = ConversionReport(variant=report.variant, adapter=adapter.name, architecture="", dtype="",
@@ -276,8 +283,10 @@ def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float 
             return m.eval()
 
         inputs = adapter.example_inputs(original, torch.Generator().manual_seed(seed))
+        centered = centered_outputs(adapter.plan(original))
+        output_map = ROTATOR["rotator"].output_map(report.structure.rotation, centered) if rotate else None
         report.verification = verify_conversion(original, converted, inputs, reconvert=reconvert, fp64_tol=fp64_tol,
-                                                skip=skip, centered=centered_outputs(adapter.plan(original))).to_dict()
+                                                skip=skip, centered=centered, output_map=output_map).to_dict()
     (Path(out_dir) / io.REPORT_FILE).write_text(report.to_json() + "\n")
 
 

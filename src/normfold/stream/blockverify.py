@@ -89,6 +89,9 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     timer = _PassTimer(progress, getattr(progress, "work", None))
     say = timer.say
 
+    rotation, unrotate = _rotation(report, centered)
+    if rotation:  # every final norm's output lacks its γ/β (they are in the heads), as the in-memory check skips
+        skip = tuple(skip) + ("*last_hidden_state", "*hidden_states[-1]")
     o_read, c_read = CheckpointReader(original_dir), CheckpointReader(converted_dir)
     orig = build_skeleton(original_dir, names=set(o_read.files))
     conv = build_skeleton(converted_dir, report.structure if report is not None else None, names=set(c_read.files))
@@ -114,11 +117,15 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
         streamer.set_dtype(dtype, pool_units=units[0])
         track.start(timer.step, _pass_elements(streamer, units, replaced=kw.get("replace") is not None))
         streamer.on_free = track.done
+        if streamer is c_s:
+            kw["rotation"] = rotation
         try:
             with _threads(threads), Pass(streamer, *units, **kw) as p:
                 out = run_model(streamer.model, inputs)
         finally:
             streamer.on_free = None
+        if streamer is c_s and unrotate is not None:  # stream outputs back in the original basis
+            out = {k: unrotate(k, v) for k, v in out.items()}
         return p, out
 
     say("original in float64")
@@ -141,7 +148,7 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     p_cw, conv_w = run(c_s, c_units, c_dtype, forced=ref, map_center=True)
     timer.say("comparisons", quiet=True)
     with _threads(1):
-        fp64, failed = _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered, skip)
+        fp64, failed = _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered, skip, rotation)
         floor = tol if c_dtype == FP64 else ULP_FLOOR * dtype_eps(c_dtype)
         base = {d.name: d for d in diff_outputs(orig_w, exact, skip, centered)}
         rows, working_ok = [], True
@@ -152,7 +159,7 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
             rows.append({"name": d.name, "converted_rel_error": d.max_rel, "original_rel_error": b_rel, "ok": ok})
         if c_dtype != FP64:
             working_ok = explain_failures(rows, conv_w, exact, c_dtype)
-        wblocks = _working_blocks(ref, p_ow, p_cw, floor)
+        wblocks = _working_blocks(ref, p_ow, p_cw, floor, rotation)
         direct = diff_outputs(conv_w, orig_w, skip, centered)
         worst_direct = worst_of(direct)
         sizes = {"original": _sizes(o_s, o_units), "converted": _sizes(c_s, c_units)}
@@ -231,7 +238,24 @@ class _PassTimer:
 
 
 
-def _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered, skip=()) -> tuple[dict, list[str]]:
+def _rotation(report, centered) -> tuple[dict, Callable | None]:
+    """({width: Q}, output map back to the original basis) of a rotated CONVERTED (normfold.rotate), else ({}, None).
+    Rotations through explicit or online ops are refused: only a stream rotated through its weights is mapped."""
+    rot = report.structure.rotation if report is not None else None
+    if not rot:
+        return {}, None
+    if rot.get("explicit") or rot.get("online"):
+        raise NormfoldError("CONVERTED's stream is rotated with explicit or online rotation ops (normfold.json "
+                            "structure.rotation); block-wise verification maps only a stream rotated through its "
+                            "weights. Verify in memory: `normfold verify ORIGINAL CONVERTED --no-blockwise`.")
+    from ..rotate import rotation_of, unrotate_outputs
+
+    return rotation_of(rot), unrotate_outputs(rot, centered)
+
+
+
+def _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered, skip=(),
+                  rotation=None) -> tuple[dict, list[str]]:
     """float64: end to end, per block (on the original's inputs), the stream entering each stack
     (embeddings) and the outputs computed from the original's last hidden states (heads)."""
     d64 = diff_outputs(out_c64, exact, skip, centered)
@@ -239,7 +263,7 @@ def _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered, s
     for b, k in _block_names(p_c64.forced_out):
         r, out = p_c64.forced_out[b][k]
         name = _name(b, k, len(ref[b]))
-        d = block_diff(name, out, r.out) if r is not None else TensorDiff(name, math.inf, math.inf, 0.0)
+        d = block_diff(name, out, r.out, rotation) if r is not None else TensorDiff(name, math.inf, math.inf, 0.0)
         block_rows.append({**asdict(d), "passed": d.max_rel <= tol})
         if d.max_rel > tol:
             failed.append(name)
@@ -248,7 +272,8 @@ def _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered, s
     emb_rows = []
     for b in _stack_heads(blocks):
         if ref[b] and p_c64.free_in[b]:
-            d = block_diff(f"stream into {b}", p_c64.free_in[b][0], stream_in(ref[b][0].args, ref[b][0].kwargs))
+            d = block_diff(f"stream into {b}", p_c64.free_in[b][0], stream_in(ref[b][0].args, ref[b][0].kwargs),
+                           rotation)
             emb_rows.append({**asdict(d), "passed": d.max_rel <= tol})
     head_rows = [{**asdict(d), "passed": d.max_rel <= tol}
                  for d in diff_outputs(out_tail, exact, skip, centered) if "hidden_states" not in d.name]
@@ -259,7 +284,7 @@ def _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered, s
 
 
 
-def _working_blocks(ref, p_ow, p_cw, floor) -> list[dict]:
+def _working_blocks(ref, p_ow, p_cw, floor, rotation=None) -> list[dict]:
     """Per block in the working dtype, both models on the float64 reference inputs (informative)."""
     rows = []
     for b, k in _block_names(p_cw.forced_out):
@@ -268,7 +293,7 @@ def _working_blocks(ref, p_ow, p_cw, floor) -> list[dict]:
         if r is None or k >= len(o_calls) or o_calls[k][0] is None:
             continue
         name = _name(b, k, len(ref[b]))
-        c_rel = block_diff(name, out, r.out).max_rel
+        c_rel = block_diff(name, out, r.out, rotation).max_rel
         o_rel = block_diff(name, o_calls[k][1], r.out).max_rel
         rows.append({"name": name, "converted_rel_error": c_rel, "original_rel_error": o_rel,
                      "ok": c_rel <= WORKING_FACTOR * o_rel + floor})

@@ -25,6 +25,9 @@ and a writer thread, `writer.write_checkpoint`), and freed tensor memory is reus
 (`safetensors_io.reuse_freed_memory`). `prepare` does every check that needs no weights: the CLI's
 `--stream auto` streams whenever it succeeds.
 
+`rotate="hadamard"|"orthogonal"` streams too (`stream/rotation.py`: each component in float64 from read to one
+rounding, the in-memory rotation's own functions; the same bytes), except models rotated through explicit hooks.
+
 The parts: `source` (the checkpoint's headers, the meta model, tensor names), `plan` (edits, components, output
 tensors and files), `compute` (one component's values), `writer` (files written, overlapped with reading and
 computing), `safetensors_io` (bytes in and out); this module prepares and runs them.
@@ -78,9 +81,11 @@ class Prepared:
 
 
 
-def _options(options, to, keep_affine, fold_final, allow_new_bias, pad, untie) -> ConvertOptions:
+def _options(options, to, keep_affine, fold_final, allow_new_bias, pad, untie, rotate=None,
+             rotate_seed=None) -> ConvertOptions:
     options = resolve_options(options, "stream_convert", to=to, keep_affine=keep_affine, fold_final=fold_final,
-                              allow_new_bias=allow_new_bias, pad=pad, untie=untie)
+                              allow_new_bias=allow_new_bias, pad=pad, untie=untie, rotate=rotate,
+                              rotate_seed=rotate_seed)
     options = options.replace(keep_affine=bool(options.keep_affine))
     if options.to not in STREAMED_TARGETS or options.variant_options:
         what = f"--to {options.to}" if options.to not in STREAMED_TARGETS else "--option"
@@ -90,17 +95,23 @@ def _options(options, to, keep_affine, fold_final, allow_new_bias, pad, untie) -
         raise StreamUnsupportedError("--pad applies to --to crmsnorm only")
     if options.untie and options.to != "rmsnorm":
         raise StreamUnsupportedError("--untie applies to --to rmsnorm only")
-    if options.rotate is not None or options.rotate_online:
-        raise StreamUnsupportedError("--rotate is not streamed yet: the in-memory rotation acts on the float64 fold "
-                                     "before its one rounding, and the block-wise verifier does not compare rotated "
-                                     "hidden states; convert in memory (--stream never, or normfold.convert)")
+    if options.rotate_online:
+        raise StreamUnsupportedError("--rotate-online is not streamed: its online Hadamard ops need normfold.load, "
+                                     "and nothing verifies them block by block; convert in memory (--stream never, "
+                                     "or normfold.convert)")
+    if options.rotate is not None:
+        if options.to != "rmsnorm":
+            raise StreamUnsupportedError(f"--rotate works with --to rmsnorm (got --to {options.to})")
+        # as normfold.convert: the final norms' γ leaves the stream, heads are untied (stream.rotation)
+        options = options.replace(fold_final=True, untie=True)
     return options
 
 
 
 def prepare(source_dir: str | os.PathLike, *, to: str | None = None, options: ConvertOptions | None = None,
             keep_affine: bool | None = None, fold_final: bool | None = None, allow_new_bias: bool | None = None,
-            pad: bool | None = None, untie: bool | None = None) -> Prepared:
+            pad: bool | None = None, untie: bool | None = None, rotate: str | None = None,
+            rotate_seed: int | None = None) -> Prepared:
     """Everything `stream_convert` checks before it writes anything (headers, dtypes, names, the adapter and
     its plan, on a meta model: no weights read but norm biases later). Raises StreamUnsupportedError (or
     another NormfoldError) when this source or option cannot stream; the CLI's `--stream auto` then
@@ -111,7 +122,14 @@ def prepare(source_dir: str | os.PathLike, *, to: str | None = None, options: Co
         raise StreamUnsupportedError(f"{source_dir} is a normfold checkpoint (normfold.json): its conversions are "
                                      "reverse ones; stream_convert(..., to='layernorm') streams a Pre-RMSNorm / "
                                      "Pre-CRMSNorm one back (normfold.stream.reverse), the others convert in memory (--stream never)")
-    options = _options(options, to, keep_affine, fold_final, allow_new_bias, pad, untie)
+    options = _options(options, to, keep_affine, fold_final, allow_new_bias, pad, untie, rotate, rotate_seed)
+    if options.rotate is not None:
+        from .rotation import variant
+
+        try:
+            variant(options)  # refuses what normfold.convert refuses (--keep-affine, unknown kinds)
+        except NormfoldError as exc:
+            raise StreamUnsupportedError(str(exc)) from exc
     checkpoint.ModelDir(source_dir).check_all()  # config, weights, tokenizer files: nothing from outside
     source = open_source(source_dir)
     dtype = checkpoint_dtype(source)
@@ -121,6 +139,10 @@ def prepare(source_dir: str | os.PathLike, *, to: str | None = None, options: Co
     if adapter.check is not None:
         adapter.check(original)
     plan = recentre_tied_tables(original, adapter.plan(original), options)  # as normfold.convert does
+    if options.rotate is not None:
+        from .rotation import check_plan
+
+        check_plan(plan)
     return Prepared(source, dtype, original, names, adapter, plan, options)
 
 
@@ -128,10 +150,10 @@ def prepare(source_dir: str | os.PathLike, *, to: str | None = None, options: Co
 def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *, to: str | None = None,
                    options: ConvertOptions | None = None, keep_affine: bool | None = None,
                    fold_final: bool | None = None, allow_new_bias: bool | None = None, pad: bool | None = None,
-                   untie: bool | None = None, progress: Progress | None = None,
-                   prepared: Prepared | None = None) -> ConversionReport:
+                   untie: bool | None = None, rotate: str | None = None, rotate_seed: int | None = None,
+                   progress: Progress | None = None, prepared: Prepared | None = None) -> ConversionReport:
     """Convert the safetensors checkpoint in `source_dir` into `out_dir` (an existing empty directory)
-    shard by shard, to Pre-RMSNorm or Pre-CRMSNorm (`pad` too). Writes the weights (sharded like the source
+    shard by shard, to Pre-RMSNorm or Pre-CRMSNorm (`pad` too), rotated with `rotate` / `rotate_seed`. Writes the weights (sharded like the source
     when it is stock-reloadable, else one normfold_model.safetensors), config.json, the tokenizer/generation
     files and normfold.json: the same bytes as `normfold.convert` + `normfold.save`.
     Verification is not run here (the report says so); see `normfold.cli.convert_stream.verify_streamed`.
@@ -155,7 +177,7 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                     "(--stream never, or normfold.load + normfold.convert)")
             return stream_reverse(source_dir, out, to=target, progress=progress)
         prepared = prepare(source_dir, to=to, options=options, keep_affine=keep_affine, fold_final=fold_final,
-                           allow_new_bias=allow_new_bias, pad=pad, untie=untie)
+                           allow_new_bias=allow_new_bias, pad=pad, untie=untie, rotate=rotate, rotate_seed=rotate_seed)
     source, dtype, original, names = prepared.source, prepared.dtype, prepared.original, prepared.names
     adapter, plan, options = prepared.adapter, prepared.plan, prepared.options
     to = options.to
@@ -171,9 +193,13 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                               stock_reloadable=plan.stock_reloadable, notes=list(plan.notes),
                               centered_outputs=list(centered_outputs(plan)))
     before = measure(original)
+    rotating = options.rotate is not None
+    if rotating:
+        from . import rotation
+    variant = rotation.variant(options) if rotating else VARIANTS[to]
     with beta_zero_from(norm_betas(structure_model, plan, names, source)), \
             heads_unchanged_from(heads_unchanged(structure_model, plan, names, source, options)):
-        VARIANTS[to].apply(structure_model, plan, options, report)
+        variant.apply(structure_model, plan, options, report)
     structure_model.eval()
     report.size = size_report(before, structure_model)
     report.kept = kept_norms(original, plan, {r.name for r in report.structure.norms})
@@ -188,7 +214,15 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     comps = components(plan_edits(values_model, plan, options, report.structure.tied_heads))
     owner = owners(comps, outputs)
     compression = report.structure.compression if to == "crmsnorm" else None
-    computer = Computer(values_model, plan, options, source, names, compression)
+    if rotating:  # float64 from read to one rounding, each stream tensor ·Q (stream/rotation.py)
+        from ..rotate import rotation_of
+
+        computer = rotation.RotatingComputer(values_model, plan, options, source, names,
+                                             rotation.targets(structure_model, plan, report),
+                                             rotation_of(report.structure.rotation), outputs)
+        computer.check_owned(comps)
+    else:
+        computer = Computer(values_model, plan, options, source, names, compression)
     owner = {k: v for k, v in owner.items() if k not in computer.head_means}  # computed from the source table
     files = assign_files(source, report, outputs, owner, comps, names)
     return write_streamed(out, files, outputs, owner, comps, computer, names, source, say, structure_model, report, t0)

@@ -56,14 +56,18 @@ def _replace_stream_out(out, x: Tensor):
 
 
 
-def to_stream(h: Tensor, like: Tensor, center: bool) -> Tensor:
+def to_stream(h: Tensor, like: Tensor, center: bool, rotation: dict | None = None) -> Tensor:
     """The original's stream `h` (float64) as the model whose own stream at that point is `like`
     carries it, in `like`'s dtype. A converted model computes the original's stream up to a
     per-token shift (zero for the recentred Pre-RMSNorm stream; the original's own mean where a
     non-shift-invariant block reads the stream raw, as a Post-LN block 0 does): its centred part is
     the original's, its per-token mean the converted model's own. A Pre-CRMSNorm stream is the first
-    d−1 coordinates of the centred stream (or those and a zero, padded to d)."""
+    d−1 coordinates of the centred stream (or those and a zero, padded to d). `rotation` ({width: Q}, a rotated
+    model's `rotate.rotation_of`): its stream is x·Q (Q fixes 1, so centring commutes with it)."""
     h = h.double()
+    q = rotation.get(h.shape[-1]) if rotation and center else None
+    if q is not None:
+        h = h @ q
     if not center:
         return h.to(like.dtype)
     if like.shape[-1] + 1 == h.shape[-1]:
@@ -75,10 +79,14 @@ def to_stream(h: Tensor, like: Tensor, center: bool) -> Tensor:
 
 
 
-def block_diff(name: str, test, ref) -> TensorDiff:
+def block_diff(name: str, test, ref, rotation: dict | None = None) -> TensorDiff:
+    """`test`'s stream against `ref`'s; a rotated `test` (x·Q, `rotation` {width: Q}) mapped back by Qᵀ first."""
     t, r = _stream_out(test), _stream_out(ref)
     if t is None or r is None:
         return TensorDiff(name, float("inf"), float("inf"), 0.0)
+    q = rotation.get(t.shape[-1]) if rotation else None
+    if q is not None:
+        t = t.double() @ q.T
     return stream_diff(name, t.double(), r.double())
 
 
@@ -95,7 +103,7 @@ class Pass:
     """Hooks for one forward of a skeleton: load/free per unit; capture or force per block."""
 
     def __init__(self, streamer: Streamer, blocks, others, resident, *, capture=False, forced=None,
-                 replace=None, replace_like=None, map_center=False) -> None:
+                 replace=None, replace_like=None, map_center=False, rotation=None) -> None:
         self.s = streamer
         self.blocks, self.others, self.resident = blocks, others, resident
         self.capture = capture  # record every block call's stream input / output (float64 reference)
@@ -103,6 +111,7 @@ class Pass:
         self.replace = replace  # {block: [_Capture]}: skip blocks, return the reference outputs instead
         self.replace_like = replace_like  # {block: [stream output of this model's own run]} (its means)
         self.map_center = map_center
+        self.rotation = rotation  # {width: Q}: the converted stream is the original's ·Q (normfold.rotate)
         self.captured: dict[str, list[_Capture]] = {b: [] for b in blocks}
         self.forced_out: dict[str, list[tuple]] = {b: [] for b in blocks}  # (reference call, output)
         self.free_in: dict[str, list[Tensor]] = {b: [] for b in blocks}
@@ -131,7 +140,7 @@ class Pass:
             block = model.get_submodule(path)
             if self.replace is not None:
                 calls = iter(self.replace[path])
-                block.forward = _replaced_forward(calls, iter(self.replace_like[path]), self.map_center)
+                block.forward = _replaced_forward(calls, iter(self.replace_like[path]), self.map_center, self.rotation)
                 continue
             self._hook(block, path, block=True)
         return self
@@ -187,7 +196,8 @@ class Pass:
             if ref is None:
                 self.forced_out[path].append((None, None))
                 return
-            a, kw = _with_stream(args, kwargs, to_stream(stream_in(ref.args, ref.kwargs), x, self.map_center))
+            a, kw = _with_stream(args, kwargs, to_stream(stream_in(ref.args, ref.kwargs), x, self.map_center,
+                                                               self.rotation))
             self._inner = True
             try:
                 with _only_normfold_hooks(mod):
@@ -239,12 +249,12 @@ def _only_normfold_hooks(mod: nn.Module):
 
 
 
-def _replaced_forward(calls, likes, center: bool):
+def _replaced_forward(calls, likes, center: bool, rotation=None):
     """A block's forward that returns the reference's output for this call, mapped to the stream
     the block receives (so everything after the blocks runs on the original's hidden states)."""
     def forward(*args, **kwargs):
         ref, like = next(calls), next(likes)
-        return _replace_stream_out(_clone_struct(ref.out), to_stream(_stream_out(ref.out), like, center))
+        return _replace_stream_out(_clone_struct(ref.out), to_stream(_stream_out(ref.out), like, center, rotation))
 
     return forward
 

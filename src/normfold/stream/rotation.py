@@ -1,0 +1,201 @@
+"""`--rotate` streamed: the rotated Pre-RMSNorm values, one component at a time.
+
+The in-memory rotation (`normfold.rotate.apply_rotation`) casts the model to float64, runs the Pre-RMSNorm
+conversion with the final norms folded and the heads untied, folds every γ still kept into its readers, rotates
+every stream tensor (t ← t·Q along its stream axis, writers re-centred) and rounds once. Each tensor's value
+depends only on the tensors of its component (a writer alone, a norm with its readers), so here each component
+runs the same functions (`center_writer_at`, `fold_scales`, `swap_norm`, `rotate.fold_kept_gamma`,
+`algebra.rotate_axis`) on its parameters cast to float64, and rounds once: the same bytes.
+
+A component above BLOCK_ABOVE float64 bytes whose largest tensor is rotated along its last axis (an embedding
+table, a vocabulary head) runs over that tensor's row blocks (`algebra.rotation.row_blocks`, the blocks the
+in-memory rotation multiplies by Q), so float64 is only ever one block of it; its other outputs must come out
+the same from every block (checked).
+
+Not streamed (StreamUnsupportedError, the CLI's `--stream auto` converts in memory): streams the in-memory
+rotation rotates through an explicit x ← x·Q hook (a stem recentred explicitly: BLOOM, CLIP, Whisper; a final
+norm no head reads), and `--rotate-online`.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from ..adapters.base import get, parent_and_leaf
+from ..algebra import rotate_axis
+from ..algebra.rotation import row_blocks
+from ..convert import VARIANTS, center_writer_at, rotating_variant
+from ..errors import NormfoldError, UnsupportedConversionError
+from .compute import Computer, batches
+from .plan import Component
+from .source import StreamUnsupportedError
+
+BLOCK_ABOVE = 64 * 1024**2  # float64 bytes of a component above which its largest tensor runs in row blocks
+
+EXPLICIT = ("the in-memory rotation rotates {what} with an explicit x ← x·Q hook (structure.rotation[\"explicit\"], "
+            "replayed by normfold.load), not through the weights; the streamed conversion writes weights only, and the "
+            "block-wise verifier does not map hidden states through such hooks. Convert in memory (--stream never or "
+            "auto, or normfold.convert(model, rotate=...))")
+
+
+def variant(options):
+    """The rotating rmsnorm variant of `options` (what normfold.convert builds for rotate=...)."""
+    return rotating_variant(VARIANTS[options.to], options.rotate, options.rotate_seed, options.keep_affine, False)
+
+
+def check_plan(plan) -> None:
+    """Refuse, before anything is written, the streams the in-memory rotation rotates explicitly."""
+    from ..rotate import rotation_points
+
+    try:
+        points = rotation_points(plan)
+    except UnsupportedConversionError as exc:
+        raise StreamUnsupportedError(str(exc)) from exc
+    for stream, pts in zip(plan.streams, points):
+        where = list(pts.after) + list(pts.before)
+        if where:
+            raise StreamUnsupportedError(
+                f"--rotate does not stream this model: stream {stream.name!r} is recentred explicitly at "
+                f"{', '.join(where)} (its stem is not linear), so "
+                + EXPLICIT.format(what="its output there"))
+        bare = [s.path for s in stream.norms if s.final and not s.readers]
+        if bare:
+            raise StreamUnsupportedError(
+                f"--rotate does not stream this model: the final norm {', '.join(bare)} is read by no head (the "
+                "model's output is the stream itself), so it keeps γ/β and "
+                + EXPLICIT.format(what="its input back (x·Qᵀ)"))
+
+
+def targets(model: nn.Module, plan, report) -> dict[str, tuple[int, bool, int]]:
+    """{parameter name: (stream axis, is a writer, stream width)} of every rotated tensor, read off the structure
+    model after the rotating variant ran on it (norms swapped, γ folded)."""
+    from ..rotate import rotation_points, stream_tensor_names
+
+    widths = [s["width"] for s in report.structure.rotation["streams"]]
+    out: dict[str, tuple[int, bool, int]] = {}
+    for stream, pts, d in zip(plan.streams, rotation_points(plan), widths):
+        for name, axis, writer in stream_tensor_names(model, stream, pts):
+            if name in out and out[name][2] != d:
+                raise StreamUnsupportedError(f"{name} is shared by streams of widths {out[name][2]} and {d}")
+            out.setdefault(name, (axis, writer, d))
+    return out
+
+
+def _module_of(name: str, modules: set[str]) -> bool:
+    return name in modules or name.rpartition(".")[0] in modules
+
+
+class RotatingComputer(Computer):
+    """Computer whose components run in float64 from read to one rounding, rotated (see the module docstring)."""
+
+    def __init__(self, model, plan, options, source, names, rotated: dict, qs: dict, outputs):
+        super().__init__(model, plan, options, source, names)
+        self.rotated, self.qs = rotated, qs
+        self.dtypes = {o.name: o.dtype for o in outputs}
+        self.shapes = {o.name: tuple(o.shape) for o in outputs}
+
+    def check_owned(self, comps: list[Component]) -> None:
+        """Every rotated tensor is computed by some component (else it would be copied unrotated)."""
+        owned = [n for n in self.rotated if any(n in c.params or _module_of(n, set(c.modules)) for c in comps)]
+        missing = sorted(set(self.rotated) - set(owned))
+        if missing:
+            raise StreamUnsupportedError(f"--rotate does not stream this model: {', '.join(missing[:3])} would be "
+                                         "rotated but no edit of the streamed plan computes it; convert in memory")
+
+    def read(self, comp: Component) -> dict[str, torch.Tensor] | None:
+        """None for a component larger than a read buffer (a table, a vocabulary head): `run` reads it once the
+        previous component's float64 temporaries are handed back, not beside them (measured at GPT-2-XL widths:
+        the table read ahead beside a block's float64 values was the conversion's peak, 1141 MiB)."""
+        if sum(self.source.tensors[self.names[n]].nbytes for n in comp.params) > self.slabs.largest:
+            return None
+        return super().read(comp)
+
+    def run(self, comp: Component, keys: list[str], tensors: dict | None = None) -> dict[str, torch.Tensor]:
+        from . import safetensors_io as st
+
+        if tensors is None:
+            st.trim()
+            tensors = super().read(comp)
+        else:
+            st.trim_if_over()
+        saved = {p: copy.deepcopy(get(self.model, p)) for p in comp.modules}  # meta: restored per row block
+        try:
+            big = self._blocked(comp, tensors)
+            out = None if big is None else self._by_blocks(comp, keys, tensors, big, saved)
+            if out is None:
+                self._restore(saved)
+                # each read buffer let go as soon as its float64 copy exists
+                out = self._once(comp, keys, {n: tensors.pop(n).to(torch.float64) for n in list(tensors)})
+                out = {k: v.to(self.dtypes[k]) for k, v in out.items()}
+            return out
+        finally:
+            self._restore(saved)
+
+    def _blocked(self, comp: Component, tensors: dict) -> str | None:
+        total = sum(t.numel() for t in tensors.values()) * 8
+        if total <= BLOCK_ABOVE:
+            return None
+        name = max(tensors, key=lambda n: tensors[n].numel())
+        t = tensors[name]
+        spec = self.rotated.get(name)
+        module = name.rpartition(".")[0]
+        if (spec is None or t.dim() != 2 or spec[0] not in (1, -1) or not t.is_contiguous()
+                or any(n.rpartition(".")[0] == module for n in tensors if n != name)):
+            return None  # not row-separable (a bias beside it takes β·W by rows): whole, in float64 (same bytes)
+        return name
+
+    def _restore(self, saved: dict) -> None:
+        for path in sorted(saved, key=len):
+            parent, leaf = parent_and_leaf(self.model, path)
+            setattr(parent, leaf, copy.deepcopy(saved[path]))
+
+    def _by_blocks(self, comp, keys, tensors, big, saved) -> dict[str, torch.Tensor] | None:
+        """None: the component's other outputs depend on the rows (a reader's bias taking β·W, one grown), found on
+        the first block before anything is overwritten; the caller then runs it whole."""
+        table = tensors[big]
+        others = {n: t for n, t in tensors.items() if n != big}
+        first: dict[str, torch.Tensor] = {}
+        for i, (a, b) in enumerate(row_blocks(table.shape[0], table.shape[1])):
+            self._restore(saved)
+            params = {n: t.to(torch.float64) for n, t in others.items()}
+            params[big] = table[a:b].to(torch.float64)
+            out = self._once(comp, list(dict.fromkeys(keys + [big])), params)
+            rows = out.pop(big)
+            if i == 0 and any(tuple(v.shape) != self.shapes[k] for k, v in out.items()):
+                return None
+            table[a:b].copy_(rows)  # rows [a, b) are this block's alone: written over their own source
+            for k, v in out.items():
+                v = v.to(self.dtypes[k])
+                if k not in first:
+                    first[k] = v.clone()
+                elif not torch.equal(v, first[k]):
+                    raise NormfoldError(f"--rotate streamed {big} in row blocks, but {k} of the same component came "
+                                        "out differently from two blocks (it depends on the rows): convert in memory "
+                                        "(--stream never)")
+        return {**first, big: table} if big in keys else first
+
+    def _once(self, comp: Component, keys: list[str], params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        from ..rotate import fold_kept_gamma
+
+        for name, t in params.items():
+            parent, leaf = parent_and_leaf(self.model, name)
+            setattr(parent, leaf, nn.Parameter(t, requires_grad=False))
+        for batch in batches(comp.edits):
+            if batch[0].kind == "center":
+                center_writer_at(self.model, batch[0].arg)  # the in-memory code itself (float64: no chunk rounding)
+            else:
+                self._apply(batch)
+        for e in comp.edits:  # step 2 of the rotation: γ a norm still holds goes into its readers
+            if e.kind == "swap" and e.arg.readers and getattr(get(self.model, e.arg.path), "weight", None) is not None:
+                fold_kept_gamma(self.model, e.arg)
+        modules = set(comp.modules)
+        with torch.no_grad():
+            for name, (axis, writer, d) in self.rotated.items():
+                if name in comp.params or _module_of(name, modules):
+                    p = get(self.model, name)
+                    p.copy_(rotate_axis(p, self.qs[d], axis, center=writer))
+        return {k: get(self.model, k).detach() for k in keys}
+
