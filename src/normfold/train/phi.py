@@ -170,9 +170,34 @@ def _no_autocast():
     return contextlib.nullcontext()
 
 
+def _phi_linear(module: nn.Module, spec: ModuleSpec, recipe: Recipe, attr: str) -> Tensor | None:
+    """`phi` for a linear recipe (one input θ): φ computed without a graph once per θ version, handed out
+    through LinearPhi. Kept short: it runs once per edited parameter per forward, between large ops that
+    leave the interpreter's caches cold."""
+    theta = module._parameters[attr]
+    if theta is None:
+        return None
+    on = writer_on(module, spec)
+    state = root_state(module)
+    if compiling() or state is None or not state.cache:
+        with _no_autocast():
+            return recipe.run([theta], on)
+    key = (on, GENERATION[0], id(theta), theta._version, theta.data_ptr())
+    entry = spec.cache.get(attr)
+    if entry is None or entry.key != key:
+        with torch.no_grad(), _no_autocast():
+            entry = Entry(key, recipe.run([theta], on), [], [])
+        spec.cache[attr] = entry
+    if theta.requires_grad and torch.is_grad_enabled():
+        return LinearPhi.apply(entry, recipe, on, theta)
+    return entry.out.detach()
+
+
 def phi(module: nn.Module, attr: str) -> Tensor | None:
     spec: ModuleSpec = module.__dict__["_nf_spec"]
     recipe = spec.recipes[attr]
+    if recipe.linear:
+        return _phi_linear(module, spec, recipe, attr)
     xs = recipe.inputs(module)
     if xs[0] is None:
         return None
@@ -184,12 +209,6 @@ def phi(module: nn.Module, attr: str) -> Tensor | None:
         key = (on, GENERATION[0], *((id(x), x._version, x.data_ptr()) for x in xs))
         entry = spec.cache.get(attr)
         grad = torch.is_grad_enabled() and any(x.requires_grad for x in xs)
-        if recipe.linear:  # φ without a graph, its VJP by hand (LinearPhi)
-            if entry is None or entry.key != key:
-                with torch.no_grad():
-                    entry = Entry(key, recipe.run(xs, on), [], [])
-                spec.cache[attr] = entry
-            return LinearPhi.apply(entry, recipe, on, xs[0]) if grad else entry.out.detach()
         if entry is None or entry.key != key or (grad and not entry.leaves):
             if grad:
                 leaves = [x.detach().requires_grad_(x.requires_grad) for x in xs]
