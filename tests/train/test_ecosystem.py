@@ -147,7 +147,9 @@ def test_cache_computes_phi_once_per_step():
     finally:
         P._Recipe.run = orig
     n_recipes = sum(len(m._nf_spec.recipes) for m in nftrain.state(prep).modules if "_nf_spec" in m.__dict__)
-    assert counts == [n_recipes, n_recipes]  # once per step, not once per micro-batch
+    # once per step, not once per micro-batch; the first step may reuse the φ that prepare's probe forward
+    # computed from the same θ (a linear recipe keeps no graph, so a no-grad φ serves a backward too)
+    assert counts[1] == n_recipes and counts[0] <= n_recipes
 
 
 @pytest.mark.parametrize("to", ["rmsnorm", "crmsnorm"])

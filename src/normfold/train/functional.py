@@ -15,7 +15,7 @@ from torch import Tensor
 
 
 def center(t: Tensor, dim: int) -> Tensor:
-    """t − mean(t) along `dim` (twin of `algebra.center`)."""
+    """t − mean(t) along `dim` (twin of `algebra.center`). A symmetric projection: it is its own transpose."""
     return t - t.mean(dim=dim, keepdim=True)
 
 
@@ -39,9 +39,18 @@ def compress_reader_padded(weight: Tensor, in_dim: int) -> Tensor:
     return weight - weight.narrow(in_dim, weight.shape[in_dim] - 1, 1)
 
 
+def compress_reader_padded_adjoint(grad: Tensor, in_dim: int) -> Tensor:
+    """The transpose of `compress_reader_padded` (for its VJP): the last input slice also receives
+    −Σ grad over the input axis, the other slices pass unchanged."""
+    out = grad.clone()
+    out.narrow(in_dim, grad.shape[in_dim] - 1, 1).sub_(grad.sum(in_dim, keepdim=True))
+    return out
+
+
 def zero_last(t: Tensor, dim: int) -> Tensor:
     """t with its last slice along `dim` set to zero (a writer of the padded compressed stream:
-    `algebra.compress_writer` drops that output, here it is kept as a structural zero)."""
+    `algebra.compress_writer` drops that output, here it is kept as a structural zero). Diagonal: its
+    own transpose."""
     mask = torch.ones(t.shape[dim], dtype=t.dtype, device=t.device)
     mask[-1] = 0
     shape = [1] * t.dim()
