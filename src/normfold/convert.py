@@ -399,7 +399,11 @@ def apply_rmsnorm(model: nn.Module, plan: ConversionPlan, options: ConvertOption
     report.tensors_edited = edited
     if ties is not None and structure.untied:
         keep_ties(model, plan, ties, report)
-    if structure.recenter_after or structure.recenter_before or structure.added_bias or structure.tied_heads:
+    # A stream Recenter does not stop a stock load: there every norm is a LayerNorm again (γ 1 / β 0 where
+    # folded), LN(x) = LN(x − mean x), and the stream is read only by its norms, so the Recenter changes
+    # only hidden-state outputs, by a per-token constant (tests/test_stock_recenter.py, every family).
+    # An added bias (absent from the stock module) or an nn.TiedHead (the row-mean term) does stop it.
+    if structure.added_bias or structure.tied_heads:
         report.stock_reloadable = False
 
 
@@ -457,8 +461,9 @@ def recentre_tied_tables(model: nn.Module, plan: ConversionPlan, options: Conver
     plan.notes = list(plan.notes) + [
         f"{TIE_NOTE}: the table stays the original (uncentred) tensor shared with the stock head; "
         f"its output is re-centred instead (Recenter after {', '.join(moved)}), so the logits are the original GEMM "
-        "with no correction term and no extra parameter; the checkpoint loads with normfold.load. --untie "
-        "(untie=True) writes the untied plain-transformers form that stock transformers reloads"]
+        "with no correction term and no extra parameter. Stock transformers computes the same logits without the "
+        "Recenter (its LayerNorms re-centre their input); normfold.load re-attaches it. --untie (untie=True) "
+        "writes the untied form (centred table copied into the head) instead"]
     return plan
 
 

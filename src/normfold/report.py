@@ -121,6 +121,14 @@ class ConversionReport:
         if self.stock_reloadable:
             how = ("plain transformers (from_pretrained) loads model.safetensors; normfold.load adds normfold's "
                    "norm modules")
+            recenters = self.structure.recenter_after + self.structure.recenter_before
+            if recenters:
+                how += (f" and the Recenter at {', '.join(recenters)}, which stock transformers does without: its "
+                        "LayerNorms re-centre their input, so it computes the same outputs except hidden states, "
+                        "which differ from normfold.load's by a per-token constant (both equal the original's up "
+                        "to one)")
+            if self.keeps_tie:
+                how += "; the tied embedding/head stays one tensor in both (--untie / untie=True writes an untied copy)"
         else:
             how = "normfold.load only (normfold_model.safetensors; stock from_pretrained refuses it)"
             if self.structure.tied_heads:
