@@ -134,9 +134,12 @@ class ConversionReport:
             if self.structure.tied_heads:
                 how += ("; a tied head is kept tied to the centred table (nn.TiedHead), which stock transformers "
                         "cannot express: --untie / untie=True writes the stock-reloadable form")
+            elif self.keeps_tie and self.structure.compression:
+                how += ("; a tied head is kept tied to the original d-wide table, the stream compressed after the "
+                        "summed embeddings (Pre-CRMSNorm)")
             elif self.keeps_tie:
-                how += ("; a tied head is kept tied to the original table with a Recenter after the embedding, which "
-                        "stock transformers cannot express: --untie / untie=True writes the stock-reloadable form")
+                how += ("; a tied head is kept tied to the original table with a Recenter after the embedding; "
+                        "--untie / untie=True writes the untied form")
         return {"stock_transformers": self.stock_reloadable, "normfold_load": True, "how": how}
 
     def to_dict(self) -> dict[str, Any]:

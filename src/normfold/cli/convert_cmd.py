@@ -353,8 +353,7 @@ def summary(report, written, args) -> str:
         ["reload", ("stock transformers: yes (from_pretrained); normfold.load: yes"
                     + (" (tied head kept as one tensor)" if report.keeps_tie else "") if report.stock_reloadable
                     else "stock transformers: no; normfold.load: yes"
-                    + (" (tied head kept; --untie for a stock-reloadable checkpoint)"
-                       if report.keeps_tie else " (see notes)"))],
+                    + (" (tied head kept as one tensor; see notes)" if report.keeps_tie else " (see notes)"))],
     ]
     rows += _size_rows(report.size)
     lines.append(table(rows))
