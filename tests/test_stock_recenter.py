@@ -172,3 +172,21 @@ def test_added_bias_is_not_stock_reloadable(tmp_path):
     ref = run_flat(model, inputs)["logits"]
     assert rel_err(run_flat(stock, inputs)["logits"], ref) > 1e-3
     assert rel_err(run_flat(conv, inputs)["logits"], ref) <= 1e-9
+
+
+@pytest.mark.parametrize("family,head", [("gpt2", "GPT2LMHeadModel"), ("whisper", "WhisperForConditionalGeneration")])
+def test_keep_affine_recenter_form_is_stock_reloadable_too(family, head, tmp_path):
+    """--keep-affine: every RMSNorm keeps γ/β, saved as the LayerNorm's own; LN(x)·γ + β = RMSNorm(Cx)·γ + β."""
+    a = next(x for x in list_adapters() if x.name == family)
+    model = build(a.examples[0], head)
+    inputs = a.example_inputs(model, torch.Generator().manual_seed(0))
+    conv, report = normfold.convert(model, verify=False, keep_affine=True)
+    assert report.stock_reloadable and (report.structure.recenter_after or report.structure.recenter_before)
+    stock = getattr(transformers, head).from_pretrained(normfold.save(conv, report, tmp_path / "out"),
+                                                        dtype=torch.float64).eval()
+    ref, got = run_flat(model, inputs), run_flat(stock, inputs)
+    for name in ref:
+        if any(fnmatch.fnmatch(name, p) for p in report.centered_outputs):
+            assert rel_err(_centre(got[name]), _centre(ref[name])) <= 1e-9, name
+        else:
+            assert rel_err(got[name], ref[name]) <= 1e-9, name
