@@ -1,4 +1,5 @@
-"""A tied embedding/head kept in the original by `--to crmsnorm` (GPT-2 first: `compress.convert.TIE_ENTRY`).
+"""A tied embedding/head kept in the original by `--to crmsnorm` (GPT-2, GPT-Neo, GPT-BigCode:
+`compress.convert.TIE_ENTRY`).
 
 The d−1 stream needs a compression point after the summed embeddings: the stream is recentred and compressed
 on the input of the first block (`structure.compression.compress_before`), so wte (shared with the stock
@@ -19,25 +20,28 @@ from normfold.compress.convert import TIE_ENTRY
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-HEADS = ["GPT2LMHeadModel", "GPT2DoubleHeadsModel"]
+# (family, example, head): every tied example of a registered family
+CASES = [("gpt2", "tied", "GPT2LMHeadModel"), ("gpt2", "tied", "GPT2DoubleHeadsModel"),
+         ("gpt_neo", "global-local-tied", "GPTNeoForCausalLM"), ("gpt_bigcode", "mqa-tied", "GPTBigCodeForCausalLM")]
 
 
-def build(head="GPT2LMHeadModel", dtype=torch.float64):
+def build(family="gpt2", example="tied", head="GPT2LMHeadModel", dtype=torch.float64):
     torch.manual_seed(0)
-    return realistic(get_adapter("gpt2").examples[0].build(head, dtype))
+    ex = next(e for e in get_adapter(family).examples if e.name == example)
+    return realistic(ex.build(head, dtype))
 
 
-def inputs_for(model):
-    return get_adapter("gpt2").example_inputs(model, torch.Generator().manual_seed(0))
+def inputs_for(model, family="gpt2"):
+    return get_adapter(family).example_inputs(model, torch.Generator().manual_seed(0))
 
 
-def test_gpt2_is_registered():
-    assert TIE_ENTRY.get("gpt2") == "h.0"
+def test_registered_families():
+    assert {f for f, _, _ in CASES} == set(TIE_ENTRY) and set(TIE_ENTRY.values()) == {"h.0"}
 
 
-@pytest.mark.parametrize("head", HEADS)
-def test_tied_table_stays_original_and_logits_exact(head):
-    model = build(head)
+@pytest.mark.parametrize("family,example,head", CASES)
+def test_tied_table_stays_original_and_logits_exact(family, example, head):
+    model = build(family, example, head)
     conv, report = normfold.convert(model, to="crmsnorm")
     assert report.verification["passed"] and report.verification["fp64"]["max_rel_error"] <= 1e-9
     comp = report.structure.compression
@@ -48,8 +52,9 @@ def test_tied_table_stays_original_and_logits_exact(head):
     assert torch.equal(t.wte.weight, model.transformer.wte.weight)  # the original tables, d-wide
     assert torch.equal(t.wpe.weight, model.transformer.wpe.weight)
     assert not any(isinstance(m, TiedCompressedHead) for m in conv.modules())
-    assert t.h[0].attn.c_proj.weight.shape[-1] == model.config.n_embd - 1  # the blocks run the d−1 stream
-    ref, got = run_flat(model, inputs_for(model)), run_flat(conv, inputs_for(model))
+    assert comp["shapes"] and all(n.startswith("transformer.h.") for n in comp["shapes"])  # the d−1 blocks
+    assert comp["streams"][0]["width_after"] == model.config.hidden_size - 1
+    ref, got = run_flat(model, inputs_for(model, family)), run_flat(conv, inputs_for(model, family))
     for name in ref:
         if "logits" in name:
             assert rel_err(got[name], ref[name]) <= 1e-9, name
@@ -60,13 +65,14 @@ def test_tied_table_stays_original_and_logits_exact(head):
     assert "original d-wide table" in report.to_dict()["reload"]["how"]
 
 
-def test_save_load_and_generate_unchanged(tmp_path):
-    model = build()
+@pytest.mark.parametrize("family,example,head", [c for c in CASES if c[2] != "GPT2DoubleHeadsModel"])
+def test_save_load_and_generate_unchanged(family, example, head, tmp_path):
+    model = build(family, example, head)
     conv, report = normfold.convert(model, to="crmsnorm", verify=False)
     loaded = normfold.load(normfold.save(conv, report, tmp_path / "out"))
     assert type(loaded.lm_head) is nn.Linear and loaded.lm_head.weight is loaded.transformer.wte.weight
     assert sum(p.numel() for p in loaded.parameters()) == sum(p.numel() for p in conv.parameters())
-    inputs = inputs_for(model)
+    inputs = inputs_for(model, family)
     want = run_flat(conv, inputs)
     for name, value in run_flat(loaded, inputs).items():
         assert rel_err(value, want[name]) <= 1e-12, name

@@ -67,7 +67,7 @@ WIDTH_AT_EMBEDDINGS: dict[str, tuple[str, str]] = {
 # The block on whose input the summed embeddings become the stream (path relative to the base model), per
 # adapter: a tied table is kept there in the original (`keep_ties_compressed`). A family enters once its tests
 # do (tests/test_ties_crms.py); the others keep the TiedCompressedHead form.
-TIE_ENTRY: dict[str, str] = {"gpt2": "h.0"}
+TIE_ENTRY: dict[str, str] = {"gpt2": "h.0", "gpt_neo": "h.0", "gpt_bigcode": "h.0"}
 
 
 def keep_ties_compressed(model: nn.Module, plan: ConversionPlan, options, moved: list[str]) -> ConversionPlan:
