@@ -190,3 +190,25 @@ def test_keep_affine_recenter_form_is_stock_reloadable_too(family, head, tmp_pat
             assert rel_err(_centre(got[name]), _centre(ref[name])) <= 1e-9, name
         else:
             assert rel_err(got[name], ref[name]) <= 1e-9, name
+
+
+@pytest.mark.parametrize("family,head", [("gpt2", "GPT2LMHeadModel"), ("whisper", "WhisperForConditionalGeneration"),
+                                         ("bloom", "BloomForCausalLM")])
+def test_pre_crmsnorm_back_to_rmsnorm_is_stock_reloadable(family, head, tmp_path):
+    """--to rmsnorm from a Pre-CRMSNorm model: its compression points become Recenters again, which a stock
+    load does without, so that checkpoint is stock-reloadable like a direct conversion."""
+    a = next(x for x in list_adapters() if x.name == family)
+    model = build(a.examples[0], head)
+    inputs = a.example_inputs(model, torch.Generator().manual_seed(0))
+    crms, _ = normfold.convert(model, to="crmsnorm", verify=False)
+    rms, report = normfold.convert(crms, to="rmsnorm")
+    assert report.verification["passed"] and report.stock_reloadable
+    assert report.structure.recenter_after or report.structure.recenter_before
+    out = normfold.save(rms, report, tmp_path / "out")
+    stock = getattr(transformers, head).from_pretrained(out, dtype=torch.float64).eval()
+    ref, got = run_flat(model, inputs), run_flat(stock, inputs)
+    for name in ref:
+        if any(fnmatch.fnmatch(name, p) for p in report.centered_outputs):
+            assert rel_err(_centre(got[name]), _centre(ref[name])) <= 1e-9, name
+        else:
+            assert rel_err(got[name], ref[name]) <= 1e-9, name

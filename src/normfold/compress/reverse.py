@@ -329,7 +329,8 @@ def convert_converted(model: nn.Module, to: str, *, inplace: bool = False, verif
             report.structure = Structure(untied=list(structure.untied))
             report.stock_reloadable = not structure.added_bias
         else:
-            report.stock_reloadable = not (structure.recenter_after or structure.recenter_before or structure.added_bias)
+            # its Recenters are for normfold's RMSNorms only, as in convert.apply_rmsnorm (stock LN re-centres)
+            report.stock_reloadable = not (structure.added_bias or structure.tied_heads)
         report.centered_outputs = list(src_report.centered_outputs) if src_report is not None else []
     report.notes.append(f"reverse conversion (paper 001 App. C) from a {src} model: {' -> '.join(steps)}")
     if src_report is not None and src_report.source:
