@@ -76,17 +76,24 @@ def test_stock_transformers_reload_gives_same_outputs(converted_untied, tmp_path
     assert cfg["tie_word_embeddings"] is False
 
 
-def test_tied_checkpoint_is_refused_by_stock_transformers_and_loads_with_normfold(converted, tmp_path):
-    """The default keeps lm_head tied to the original table with a Recenter after the embedding, which stock
-    transformers cannot express, so the weights go to normfold_model.safetensors (stock fails loudly)."""
+def test_tied_checkpoint_reloads_in_stock_transformers_and_with_normfold(converted, tmp_path):
+    """The default keeps lm_head tied to the original table with a Recenter after the embedding. Stock
+    transformers (normfold not imported) needs no Recenter, its LayerNorms re-centre their input: it loads
+    model.safetensors, the tie kept, and computes the original logits; normfold.load re-attaches the Recenter."""
     model, conv, report, out = converted
-    assert not report.stock_reloadable and "transformer.wte" in report.structure.recenter_after
-    assert "normfold.load only" in report.to_dict()["reload"]["how"]
-    assert (out / io.NORMFOLD_WEIGHTS).is_file() and not (out / io.STOCK_WEIGHTS).exists()
+    assert report.stock_reloadable and "transformer.wte" in report.structure.recenter_after
+    assert "Recenter at transformer.wte" in report.to_dict()["reload"]["how"]
+    assert (out / io.STOCK_WEIGHTS).is_file() and not (out / io.NORMFOLD_WEIGHTS).exists()
+    assert json.loads((out / "config.json").read_text()).get("tie_word_embeddings", True) is True
     result = tmp_path / "stock_logits.pt"
     proc = subprocess.run([sys.executable, "-c", STOCK_RELOAD, str(out), json.dumps(IDS.tolist()), str(result)],
                           capture_output=True, text=True, env={"HF_HUB_OFFLINE": "1", "PATH": ""})
-    assert proc.returncode != 0 and "model.safetensors" in proc.stderr
+    assert proc.returncode == 0, proc.stderr
+    stock = torch.load(result, weights_only=True)
+    with torch.no_grad():
+        exact = model.double()(input_ids=IDS).logits
+        base = rel_err(model.float()(input_ids=IDS).logits, exact)
+    assert rel_err(stock, exact) <= 4 * base + 64 * torch.finfo(torch.float32).eps
     loaded = normfold.load(out)
     assert loaded.lm_head.weight is loaded.transformer.wte.weight and type(loaded.lm_head) is torch.nn.Linear
     assert torch.equal(logits(loaded), logits(conv))

@@ -91,7 +91,11 @@ def test_recenter_before_makes_a_functional_stem_exact():
     adapter = Adapter(name="toy", display_name="toy", plan=_plan,
                       example_inputs=lambda m, g: {"features": FEATURES})
     conv, report = normfold.convert(model, adapter=adapter)
-    assert report.structure.recenter_before == ["blocks.0"] and not report.stock_reloadable
+    # stock-reloadable: in the stock model (LayerNorms again) the Recenter is a no-op, LN(x) = LN(x − mean x)
+    assert report.structure.recenter_before == ["blocks.0"] and report.stock_reloadable
+    stock = StemModel().double().eval()
+    stock.load_state_dict(normfold.io.export_state_dict(conv, report))
+    assert rel_err(stock(FEATURES)["logits"], model(FEATURES)["logits"]) <= 1e-12
     assert has_input_recenter(conv.blocks[0]) and not has_input_recenter(model.blocks[0])
     assert rel_err(conv(FEATURES)["logits"], model(FEATURES)["logits"]) <= 1e-12
     assert report.verification["passed"]

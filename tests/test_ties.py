@@ -3,6 +3,8 @@
 The default form: the shared table stays the ORIGINAL tensor, still shared with the stock nn.Linear head,
 and an explicit Recenter after the embedding makes its output zero-mean (structure.recenter_after); the
 final norm keeps its γ/β, so the logits are the original GEMM with no correction and no extra parameter.
+The checkpoint is in the stock layout: stock transformers reloads it without the Recenter (its LayerNorms
+re-centre their input; tests/test_stock_recenter.py checks every family against the original).
 Where the head itself is edited (fold_final folds the final norm's γ into it) the older form stays: the
 table is centred (E' = E − μ1ᵀ) and the head (nn.TiedHead) computes z·E'ᵀ + (Σz)·μ (+ bias); checkpoints
 written with that form (structure.tied_heads) still load. References are independent: the original model
@@ -19,6 +21,7 @@ from torch import nn
 import normfold
 from helpers import realistic, rel_err, run_flat
 from normfold.adapters import list_adapters
+from normfold.compress.convert import TIE_ENTRY
 from normfold.nn import TiedHead
 
 transformers = pytest.importorskip("transformers")
@@ -109,7 +112,8 @@ def test_save_then_normfold_load_gives_the_same_outputs(adapter, example, head, 
     conv, report = normfold.convert(model)
     assert report.verification["passed"]
     out = normfold.save(conv, report, tmp_path / "out")
-    assert not report.stock_reloadable and (out / "normfold_model.safetensors").is_file()
+    # the stock layout: stock transformers reloads it too (tests/test_stock_recenter.py)
+    assert report.stock_reloadable and (out / "model.safetensors").is_file()
     loaded = normfold.load(out)
     for h, t in _tied_linear_heads(model):
         assert type(loaded.get_submodule(h)) is nn.Linear
@@ -367,9 +371,11 @@ def test_report_states_size_and_reload_path():
     assert untied.size["parameters"]["after"] - kept.size["parameters"]["after"] == vocab * d
     assert kept.size["parameters"]["after"] <= params
     how = kept.to_dict()["reload"]["how"]
-    assert "normfold.load only" in how and "original table with a Recenter" in how and "--untie" in how
+    assert "plain transformers" in how and "Recenter at transformer.wte" in how and "does without" in how
+    assert "tied embedding/head stays one tensor" in how and "--untie" in how
+    assert kept.stock_reloadable and untied.stock_reloadable
     assert any("tied" in n and "Recenter after transformer.wte" in n and "original" in n and "--untie" in n
-               for n in kept.notes)
+               and "Stock transformers computes the same logits" in n for n in kept.notes)
     assert not any("TiedHead" in n for n in kept.notes)
 
 
@@ -401,10 +407,11 @@ def test_cli_default_keeps_the_tie_and_untie_writes_the_stock_form(tmp_path, cap
     build(ex, "GPT2LMHeadModel", torch.float32).save_pretrained(tmp_path / "src")
     assert main(["convert", str(tmp_path / "src"), "--out", str(tmp_path / "kept"), "-q"]) == 0
     text = capsys.readouterr().out
-    assert "weight bytes" in text and "on disk" in text and "stock transformers: no; normfold.load: yes" in text
+    assert "weight bytes" in text and "on disk" in text
+    assert "stock transformers: yes (from_pretrained); normfold.load: yes (tied head kept as one tensor)" in text
     rep = json.loads((tmp_path / "kept" / "normfold.json").read_text())
     assert "transformer.wte" in rep["structure"]["recenter_after"] and not rep["structure"]["tied_heads"]
-    assert rep["size"]["disk_bytes"]["before"] > 0 and rep["reload"]["stock_transformers"] is False
+    assert rep["size"]["disk_bytes"]["before"] > 0 and rep["reload"]["stock_transformers"] is True
     assert rep["size"]["weight_bytes"]["after"] <= rep["size"]["weight_bytes"]["before"]
     assert main(["convert", str(tmp_path / "src"), "--out", str(tmp_path / "untied"), "--untie", "-q"]) == 0
     text = capsys.readouterr().out
@@ -425,7 +432,7 @@ def test_streamed_cli_keeps_the_tie_and_untie_streams_the_stock_form(tmp_path, c
     model.save_pretrained(tmp_path / "src")
     assert main(["convert", str(tmp_path / "src"), "--out", str(tmp_path / "kept"), "--stream", "always", "-q"]) == 0
     text = capsys.readouterr().out
-    assert "on disk" in text and "stock transformers: no; normfold.load: yes" in text
+    assert "on disk" in text and "stock transformers: yes (from_pretrained); normfold.load: yes (tied head" in text
     rep = json.loads((tmp_path / "kept" / "normfold.json").read_text())
     assert "transformer.wte" in rep["structure"]["recenter_after"] and not rep["structure"]["tied_heads"]
     assert rep["verification"]["passed"]
@@ -522,7 +529,12 @@ def test_back_to_layernorm_restores_the_stock_tie_and_crmsnorm_keeps_it(family, 
     if family == "roberta":
         return  # Post-LN: the MLM head reads a kept LayerNorm, not the stream; crmsnorm ties only stream heads
     crms, creport = normfold.convert(rms, to="crmsnorm", verify=False)
-    assert [x["head"] for x in creport.structure.compression["tied_heads"]] == [h]
+    if family in TIE_ENTRY:  # the original table, the stream compressed after the summed embeddings
+        assert creport.structure.compression["tied_heads"] == [] and type(crms.get_submodule(h)) is nn.Linear
+        assert crms.get_submodule(h).weight is crms.get_submodule(t).weight
+        assert torch.equal(crms.get_submodule(t).weight, model.get_submodule(t).weight)
+    else:  # the compressed table (TiedCompressedHead)
+        assert [x["head"] for x in creport.structure.compression["tied_heads"]] == [h]
     for name in ref:
         if "logits" in name:
             assert rel_err(run_flat(crms, inputs)[name], ref[name]) <= 1e-9, name

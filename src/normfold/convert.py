@@ -42,6 +42,10 @@ class Variant:
     apply: Callable[[nn.Module, ConversionPlan, ConvertOptions, ConversionReport], None]
     exact: bool = True  # output-equivalent to the original (then float64 verification applies)
     takes_options: bool = False  # accepts variant_options (--option KEY=VALUE); apply() validates them
+    # How this target keeps a tied table the original tensor shared with its stock head:
+    # keep_ties(model, plan, options, tables) -> the plan rewritten (`recentre_tied_tables` calls it with the
+    # tied tables a head reads unchanged). None: the variant unties them (or keeps the tie its own way).
+    keep_ties: Callable[[nn.Module, ConversionPlan, ConvertOptions, list[str]], ConversionPlan] | None = None
 
 
 VARIANTS: dict[str, Variant] = {}
@@ -399,7 +403,11 @@ def apply_rmsnorm(model: nn.Module, plan: ConversionPlan, options: ConvertOption
     report.tensors_edited = edited
     if ties is not None and structure.untied:
         keep_ties(model, plan, ties, report)
-    if structure.recenter_after or structure.recenter_before or structure.added_bias or structure.tied_heads:
+    # A stream Recenter does not stop a stock load: there every norm is a LayerNorm again (γ 1 / β 0 where
+    # folded), LN(x) = LN(x − mean x), and the stream is read only by its norms, so the Recenter changes
+    # only hidden-state outputs, by a per-token constant (tests/test_stock_recenter.py, every family).
+    # An added bias (absent from the stock module) or an nn.TiedHead (the row-mean term) does stop it.
+    if structure.added_bias or structure.tied_heads:
         report.stock_reloadable = False
 
 
@@ -443,12 +451,20 @@ def recentre_tied_tables(model: nn.Module, plan: ConversionPlan, options: Conver
     real arithmetic). Applies to `--to rmsnorm` without `untie` (Pre-CRMSNorm, rotation and --untie untie the
     head first); a head the final norm's γ is folded into (fold_final) keeps the nn.TiedHead form. Idempotent:
     a plan already rewritten has no tied table among its writers. `normfold.stream` calls it on its plan too,
-    so both paths make the same edits."""
-    if options.untie or options.to not in (None, "rmsnorm"):
+    so both paths make the same edits. Each target says how it keeps the tie (`Variant.keep_ties`: this
+    Recenter form for rmsnorm; Pre-CRMSNorm compresses after the summed embeddings instead, where it can)."""
+    variant = VARIANTS.get(options.to or "rmsnorm")
+    if options.untie or variant is None or variant.keep_ties is None:
         return plan
     moved = _tied_tables(model, plan, options)
     if not moved:
         return plan
+    return variant.keep_ties(model, plan, options, moved)
+
+
+def recenter_tied_tables_after(model: nn.Module, plan: ConversionPlan, options: ConvertOptions,
+                               moved: list[str]) -> ConversionPlan:
+    """rmsnorm's `Variant.keep_ties`: the tied tables `moved` leave the writers for `recenter_after`."""
     plan = copy.copy(plan)
     plan.streams = [dataclasses.replace(
         st, writers=[w for w in st.writers if w not in moved],
@@ -457,8 +473,9 @@ def recentre_tied_tables(model: nn.Module, plan: ConversionPlan, options: Conver
     plan.notes = list(plan.notes) + [
         f"{TIE_NOTE}: the table stays the original (uncentred) tensor shared with the stock head; "
         f"its output is re-centred instead (Recenter after {', '.join(moved)}), so the logits are the original GEMM "
-        "with no correction term and no extra parameter; the checkpoint loads with normfold.load. --untie "
-        "(untie=True) writes the untied plain-transformers form that stock transformers reloads"]
+        "with no correction term and no extra parameter. Stock transformers computes the same logits without the "
+        "Recenter (its LayerNorms re-centre their input); normfold.load re-attaches it. --untie (untie=True) "
+        "writes the untied form (centred table copied into the head) instead"]
     return plan
 
 
@@ -641,7 +658,7 @@ def enable_weight_tying(model: nn.Module, configs: list) -> None:
 
 
 register_variant(Variant("rmsnorm", "Pre-LN -> Pre-RMSNorm: zero-mean stream, LayerNorm -> RMSNorm (exact)",
-                         apply_rmsnorm))
+                         apply_rmsnorm, keep_ties=recenter_tied_tables_after))
 
 
 def centered_outputs(plan: ConversionPlan) -> tuple[str, ...]:

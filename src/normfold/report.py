@@ -121,14 +121,25 @@ class ConversionReport:
         if self.stock_reloadable:
             how = ("plain transformers (from_pretrained) loads model.safetensors; normfold.load adds normfold's "
                    "norm modules")
+            recenters = self.structure.recenter_after + self.structure.recenter_before
+            if recenters:
+                how += (f" and the Recenter at {', '.join(recenters)}, which stock transformers does without: its "
+                        "LayerNorms re-centre their input, so it computes the same outputs except hidden states, "
+                        "which differ from normfold.load's by a per-token constant (both equal the original's up "
+                        "to one)")
+            if self.keeps_tie:
+                how += "; the tied embedding/head stays one tensor in both (--untie / untie=True writes an untied copy)"
         else:
             how = "normfold.load only (normfold_model.safetensors; stock from_pretrained refuses it)"
             if self.structure.tied_heads:
                 how += ("; a tied head is kept tied to the centred table (nn.TiedHead), which stock transformers "
                         "cannot express: --untie / untie=True writes the stock-reloadable form")
+            elif self.keeps_tie and self.structure.compression:
+                how += ("; a tied head is kept tied to the original d-wide table, the stream compressed after the "
+                        "summed embeddings (Pre-CRMSNorm)")
             elif self.keeps_tie:
-                how += ("; a tied head is kept tied to the original table with a Recenter after the embedding, which "
-                        "stock transformers cannot express: --untie / untie=True writes the stock-reloadable form")
+                how += ("; a tied head is kept tied to the original table with a Recenter after the embedding; "
+                        "--untie / untie=True writes the untied form")
         return {"stock_transformers": self.stock_reloadable, "normfold_load": True, "how": how}
 
     def to_dict(self) -> dict[str, Any]:

@@ -43,7 +43,7 @@ def test_tied_lm_keeps_the_embedding_norm_and_recentres_its_output():
     # the table is not edited, so it stays tied to lm_head (no vocab x hidden copy)
     assert conv.lm_head.weight is t.word_embeddings.weight and report.structure.untied == []
     assert torch.equal(t.word_embeddings.weight, model.transformer.word_embeddings.weight)
-    assert len(rmsnorms(conv)) == 2 * 2 + 1 and not report.stock_reloadable
+    assert len(rmsnorms(conv)) == 2 * 2 + 1 and report.stock_reloadable  # stock LayerNorms need no Recenter
     assert t.h[0].input_layernorm.weight is None  # folded into the fused query_key_value
     assert_norm_inputs_zero_mean(conv, INPUTS)
     assert_stream_zero_mean(conv, INPUTS)
@@ -82,7 +82,7 @@ def test_save_and_normfold_load_replay_the_recenter(tmp_path):
     model = make(BloomConfig, BloomModel, dtype=torch.float32, **CFG)
     conv, report = normfold.convert(model, verify=False)
     out = normfold.save(conv, report, tmp_path / "out")
-    assert (out / "normfold_model.safetensors").is_file() and not (out / "model.safetensors").exists()
+    assert (out / "model.safetensors").is_file() and not (out / "normfold_model.safetensors").exists()
     loaded = normfold.load(out)
     assert has_output_recenter(loaded.word_embeddings_layernorm)
     assert type(loaded.word_embeddings_layernorm).__name__ == "RMSNorm"

@@ -57,7 +57,7 @@ def test_without_bias_beta_stays_in_the_norm():
     conv, report = assert_exact(model, INPUTS)
     ln = conv.transformer.h[0].ln_attn
     assert ln.weight is not None and ln.bias is not None
-    assert report.structure.added_bias == [] and not report.stock_reloadable  # lm_head stays tied (normfold.load)
+    assert report.structure.added_bias == [] and report.stock_reloadable  # lm_head stays tied, stock LN re-centres
     assert report.structure.recenter_after == ["transformer.word_embeddings"] and not report.structure.tied_heads
     _, report_u = assert_exact(model, INPUTS, untie=True)
     assert report_u.stock_reloadable and report_u.structure.added_bias == []

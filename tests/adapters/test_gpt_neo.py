@@ -37,7 +37,7 @@ def test_structure_and_kept_affine_where_readers_have_no_bias():
         assert blk.ln_2.weight is None and blk.ln_2.bias is None
     assert conv.lm_head.weight is conv.transformer.wte.weight  # kept tied to the original table (stock head)
     assert torch.equal(conv.lm_head.weight, model.lm_head.weight) and type(conv.lm_head) is torch.nn.Linear
-    assert not report.stock_reloadable and report.structure.recenter_after == ["transformer.wte"]
+    assert report.stock_reloadable and report.structure.recenter_after == ["transformer.wte"]  # stock LN re-centres
     _, report_u = assert_exact(model, INPUTS, untie=True)
     assert report_u.stock_reloadable
     assert_norm_inputs_zero_mean(conv, INPUTS)

@@ -33,7 +33,7 @@ def test_structure():
     model = make()
     conv, report = normfold.convert(model, verify=False)
     assert report.structure.recenter_before == ["encoder.layers.0"] and has_input_recenter(conv.encoder.layers[0])
-    assert not report.stock_reloadable and report.centered[:1] == ["encoder.layers.0.self_attn.out_proj"]
+    assert report.stock_reloadable and report.centered[:1] == ["encoder.layers.0.self_attn.out_proj"]
     assert torch.equal(conv.embeddings.position_embedding.weight, model.embeddings.position_embedding.weight)
     assert [k["name"] for k in report.kept] == ["head.layernorm"]
     x = inputs(model)

@@ -42,7 +42,7 @@ def test_structure():
     enc, dec = conv.model.encoder, conv.model.decoder
     assert not any(isinstance(m, torch.nn.LayerNorm) for m in conv.modules()) and report.kept == []
     assert report.structure.recenter_before == ["model.encoder.layers.0"] and has_input_recenter(enc.layers[0])
-    assert not report.stock_reloadable and report.structure.recenter_after == ["model.decoder.embed_tokens"]
+    assert report.stock_reloadable and report.structure.recenter_after == ["model.decoder.embed_tokens"]
     # the stem is not edited (the Recenter handles it); the decoder's positions are centred, its token table
     # (tied to proj_out) stays the original and a Recenter after it centres its output
     assert torch.equal(enc.conv1.weight, model.model.encoder.conv1.weight)
@@ -124,7 +124,7 @@ def test_load_restores_the_recenter(tmp_path):
     model = make()
     conv, report = normfold.convert(model.float(), verify=False)
     out = normfold.save(conv, report, tmp_path / "w")
-    assert (out / "normfold_model.safetensors").is_file() and not (out / "model.safetensors").exists()
+    assert (out / "model.safetensors").is_file() and not (out / "normfold_model.safetensors").exists()
     loaded = normfold.load(out)
     assert has_input_recenter(loaded.model.encoder.layers[0])
     a, b = run_flat(loaded, INPUTS), run_flat(conv, INPUTS)

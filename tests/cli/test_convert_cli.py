@@ -47,9 +47,11 @@ def test_convert_writes_a_verified_checkpoint(tiny_dir, tmp_path, capsys):
     rep = json.loads((out / "normfold.json").read_text())
     assert rep["verification"]["passed"] and rep["verification"]["fp64"]["max_rel_error"] <= 1e-9
     assert rep["source"]["model"] == str(tiny_dir)
-    # the tiny GPT-2 is tied: the head stays tied to the original table (a Recenter after wte), normfold-only
-    assert (out / "normfold_model.safetensors").exists() and (out / "config.json").exists()
-    assert "transformer.wte" in rep["structure"]["recenter_after"] and "stock transformers: no; normfold.load: yes" in stdout
+    # the tiny GPT-2 is tied: the head stays tied to the original table (a Recenter after wte); stock
+    # transformers reloads it too (its LayerNorms re-centre their input)
+    assert (out / "model.safetensors").exists() and (out / "config.json").exists()
+    assert "transformer.wte" in rep["structure"]["recenter_after"]
+    assert "stock transformers: yes (from_pretrained); normfold.load: yes (tied head kept as one tensor)" in stdout
     assert "parameters" in stdout and "weight bytes" in stdout and "on disk" in stdout
 
 
@@ -172,7 +174,7 @@ def test_verify_command(tiny_dir, tmp_path, capsys):
     # a corrupted conversion is caught
     from safetensors.torch import load_file, save_file
 
-    weights = out / "normfold_model.safetensors"  # tied head kept: normfold's file name
+    weights = out / "model.safetensors"  # tied head kept, in the stock layout
     sd = load_file(weights)
     sd["transformer.h.1.mlp.c_proj.weight"] += 0.01
     save_file(sd, weights)

@@ -55,8 +55,8 @@ def test_streamed_bytes_equal_in_memory(tmp_path, family, head):
 
 
 def test_sharded_bf16_tied_head_kept_equals_in_memory(tmp_path, monkeypatch):
-    """The default keeps lm_head tied to the original table (Recenter after transformer.wte, stock head): one
-    normfold_model.safetensors, byte-identical to the in-memory conversion, the table stored once and
+    """The default keeps lm_head tied to the original table (Recenter after transformer.wte, stock head): the
+    stock layout (stock LayerNorms need no Recenter), byte-identical to the in-memory conversion, the table stored once and
     uncentred (the source's bytes), no lm_head copy or correction vector, and normfold.load computes the
     in-memory logits."""
     monkeypatch.setattr(stream_compute, "CHUNK_BYTES", 2048)
@@ -108,7 +108,7 @@ def test_recenter_family_loads_with_normfold(tmp_path):
     src = make_checkpoint(example, "BloomForCausalLM", tmp_path / "src", shard="30KB")
     conv, _ = _in_memory(src, tmp_path / "mem")
     report = _streamed(src, tmp_path / "st")
-    assert not report.stock_reloadable and report.structure.recenter_after
+    assert report.stock_reloadable and report.structure.recenter_after  # stock LayerNorms need no Recenter
     loaded = normfold.load(tmp_path / "st")
     ids = torch.randint(0, example.kwargs["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -190,7 +190,7 @@ def test_in_memory_save_is_repeatable(tmp_path):
             "c, r = normfold.convert(m, verify=False); normfold.save(c, r, sys.argv[2])")
     for out in ("a", "b", "c"):  # separate processes: the HashMap seed differs per process
         subprocess.run([sys.executable, "-c", code, str(src), str(tmp_path / out)], check=True, capture_output=True)
-    files = [(tmp_path / out / "normfold_model.safetensors").read_bytes() for out in ("a", "b", "c")]
+    files = [(tmp_path / out / "model.safetensors").read_bytes() for out in ("a", "b", "c")]
     assert files[0] == files[1] == files[2]
 
 

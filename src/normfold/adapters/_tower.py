@@ -60,4 +60,5 @@ def embedding_norm_on_stream(model: nn.Module, stream: StreamPlan, path: str) ->
     stream.recenter_after.append(path)
     return (f"{path} sits on the stream: converted to RMSNorm (its input is zero-mean), but its affine "
             "output γ⊙n + β is not zero-mean, so an explicit Recenter follows it (one O(d) op per token "
-            "instead of a LayerNorm in every block); the checkpoint is therefore not stock-reloadable")
+            "instead of a LayerNorm in every block); stock transformers needs no Recenter (its LayerNorms "
+            "re-centre their input)")

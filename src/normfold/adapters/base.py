@@ -63,6 +63,10 @@ class StreamPlan:
     # Modules whose stream input must be recentred explicitly (a forward pre-hook): the stream is
     # built by functional code with no module to hook after (Whisper: conv -> F.gelu -> + positions).
     recenter_before: list[str] = field(default_factory=list)
+    # Neither kind of Recenter stops a stock reload: it is only for normfold's RMSNorms; a stock load
+    # has LayerNorms, which re-centre their input. That needs this stream to be read by its norms only
+    # (and returned as hidden states); a plan where anything else reads it sets
+    # ConversionPlan.stock_reloadable = False.
     # Scale folding (LayerScale): (writer path, multiplier parameter path) pairs. Before centring, the
     # writer absorbs the per-channel multiplier applied to its output (W ← W·diag(λ), b ← b⊙λ) and the
     # multiplier becomes 1, so the module still exists (stock-reloadable) and computes the same thing.
@@ -75,8 +79,9 @@ class ConversionPlan:
     streams: list[StreamPlan] = field(default_factory=list)
     kept: list[KeptNorm] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    # False when the converted checkpoint cannot be read by stock transformers (explicit Recenter
-    # ops, added biases, a different hidden size).
+    # False when the converted checkpoint cannot be read by stock transformers, or a stock load would
+    # compute something else (a stream Recenter that matters there; added biases and a different
+    # hidden size are found by the conversion itself).
     stock_reloadable: bool = True
     # Model outputs (fnmatch patterns over verify's flattened names) that carry a residual stream
     # and are therefore returned recentred, beyond the default '*hidden_states[i]'.

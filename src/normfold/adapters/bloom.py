@@ -10,8 +10,9 @@ token unless γ is constant. Centring the table makes that norm's *input* zero-m
 Decision: recentre x0 once, with an explicit Recenter after word_embeddings_layernorm, and convert
 every block norm and ln_f. The alternative, keeping all block norms as LayerNorms because x0 is not
 zero-mean, would convert nothing that matters; one centring per token at the input costs next to
-nothing. The price: the Recenter is not a stock BLOOM module, so the checkpoint is not
-stock-reloadable (normfold.load replays it).
+nothing. The Recenter is not a stock BLOOM module, but stock transformers needs none: there every
+norm is a LayerNorm again, which re-centres its input, so the checkpoint stays stock-reloadable
+(normfold.load replays the Recenter for its RMSNorms).
 
 word_embeddings_layernorm itself becomes an RMSNorm (table centred) only when its table is not
 shared: centring a table tied to lm_head would untie them and add vocab×d parameters (a quarter
@@ -89,10 +90,9 @@ def plan(model: nn.Module) -> ConversionPlan:
     stream.norms[:0] = embed.norms
     stream.recenter_after.append(emb_ln)
     plan.streams.append(stream)
-    plan.stock_reloadable = False
     plan.notes.append("word_embeddings_layernorm's output γ⊙n+β is not zero-mean: it is recentred once by an "
-                      "explicit Recenter so that every block norm and ln_f become RMSNorms; the Recenter makes the "
-                      "checkpoint loadable with normfold.load, not stock transformers")
+                      "explicit Recenter so that every block norm and ln_f become RMSNorms; stock transformers "
+                      "needs no Recenter (its LayerNorms re-centre their input) and reloads the checkpoint")
     return plan
 
 
@@ -116,7 +116,7 @@ _HEADS = ("BloomModel", "BloomForCausalLM", "BloomForSequenceClassification", "B
 ADAPTER = Adapter(
     name="bloom", display_name="BLOOM", plan=plan,
     model_types=("bloom",),
-    capabilities=Capabilities(variants=("rmsnorm",), stock_reloadable=False),
+    capabilities=Capabilities(variants=("rmsnorm",), stock_reloadable=True),
     examples=(
         TinyExample("tied", "BloomConfig", dict(_COMMON, hidden_size=24, n_layer=2, n_head=3), _HEADS),
         TinyExample("untied-eps6-tp2", "BloomConfig",

@@ -9,7 +9,8 @@ Two independent streams, one per tower, found wherever the head class keeps them
   `pre_layrnorm` *on the stream*: its input is zero-mean once those writers are centred, so it
   becomes an RMSNorm, but its output γ⊙n + β (the stream the blocks add to) is not zero-mean for
   a learned γ. So an explicit Recenter follows it (`recenter_after`); a norm without γ needs only
-  its β centred, and then the checkpoint stays stock-reloadable. The blocks are as in the text
+  its β centred. Either way the checkpoint is stock-reloadable (stock LayerNorms re-centre their input,
+  so a stock load needs no Recenter). The blocks are as in the text
   tower; there is no final norm on the stream: last_hidden_state *is* the raw stream (returned
   recentred: `centered_outputs`), and `post_layernorm` normalizes only the pooled class token
   (a row of the zero-mean stream, so exact), read by `visual_projection`.
@@ -105,8 +106,8 @@ ADAPTER = Adapter(
     model_types=("clip", "clip_text_model", "clip_vision_model"),
     check=_check,
     example_inputs=image_text_inputs,
-    # the vision tower needs a Recenter after pre_layrnorm (text-only models stay stock-reloadable)
-    capabilities=Capabilities(variants=("rmsnorm",), stock_reloadable=False),
+    # the vision tower's Recenter after pre_layrnorm is for normfold's RMSNorms: a stock load needs none
+    capabilities=Capabilities(variants=("rmsnorm",), stock_reloadable=True),
     examples=(
         TinyExample("text", "CLIPTextConfig", _TEXT, ("CLIPTextModel", "CLIPTextModelWithProjection")),
         TinyExample("vision", "CLIPVisionConfig", _VISION, ("CLIPVisionModel", "CLIPVisionModelWithProjection")),

@@ -69,7 +69,7 @@ ADAPTER = Adapter(
     plan=mbart_plan,
     model_types=("mbart",),
     example_inputs=seq2seq_text_inputs,
-    capabilities=Capabilities(variants=("rmsnorm",), stock_reloadable=False),
+    capabilities=Capabilities(variants=("rmsnorm",), stock_reloadable=True),
     examples=(
         TinyExample("d32-scaled", "MBartConfig",
                     dict(_COMMON, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,

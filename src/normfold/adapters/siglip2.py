@@ -7,8 +7,8 @@ the position table is resized per image (`spatial_shapes`) and padded. transform
 resize in float32 on CPU whatever the model's dtype, so a centred table would be zero-mean only to
 float32 rounding, and its rounding would differ from the original's: float64 verification sees
 ~1e-7 (measured). So the vision stream is recentred explicitly on the input of
-`encoder.layers.0` (as Whisper's stem) and the stem is left untouched: exact in every dtype, at the
-price of stock reloading for checkpoints with a vision tower. The text tower is SigLIP's.
+`encoder.layers.0` (as Whisper's stem) and the stem is left untouched: exact in every dtype, and still
+stock-reloadable (stock LayerNorms re-centre their input, so a stock load needs no Recenter). The text tower is SigLIP's.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ VISION_TOWER = StreamTemplate(
 )
 _VISION_NOTE = ("the vision embeddings (Linear patches + a position table that transformers resizes in "
                 "float32 on CPU) are recentred explicitly on the input of the vision tower's first encoder "
-                "layer, which keeps the conversion exact in every dtype; checkpoints with a vision tower are "
-                "therefore not stock-reloadable")
+                "layer, which keeps the conversion exact in every dtype (stock transformers, whose LayerNorms "
+                "re-centre their input, needs no Recenter and reloads the checkpoint)")
 
 
 PLAN = siglip_like_plan("siglip2", "Siglip2TextModel", "Siglip2VisionModel", VISION_TOWER, _VISION_NOTE)
@@ -67,8 +67,8 @@ ADAPTER = Adapter(
     plan=PLAN,
     model_types=("siglip2", "siglip2_text_model", "siglip2_vision_model"),
     example_inputs=siglip2_inputs,
-    # the vision tower needs the Recenter (text-only models stay stock-reloadable)
-    capabilities=Capabilities(variants=("rmsnorm",), stock_reloadable=False),
+    # the vision tower's Recenter is for normfold's RMSNorms: a stock load needs none
+    capabilities=Capabilities(variants=("rmsnorm",), stock_reloadable=True),
     examples=(
         TinyExample("text", "Siglip2TextConfig", _TEXT, ("Siglip2TextModel",)),
         TinyExample("vision-map-head", "Siglip2VisionConfig", dict(_VISION, hidden_size=32, num_attention_heads=4),

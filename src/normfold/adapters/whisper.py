@@ -15,9 +15,10 @@ Two streams:
   writers self_attn.out_proj, encoder_attn.out_proj, fc2; `decoder.layer_norm` → `proj_out`, which
   is tied to embed_tokens (centring the table unties them).
 
-The Recenter makes every checkpoint with an encoder non-stock-reloadable (WhisperForCausalLM, a
-decoder alone, stays stock-reloadable). In float16 the encoder layers clamp the stream to the finite
-range; the clamp is only active where float16 already overflows.
+The Recenter is for normfold's RMSNorms: stock transformers reloads the checkpoint without it (its
+LayerNorms re-centre their input). In float16 the encoder layers clamp the stream to the finite
+range; the clamp is only active where float16 already overflows (and then it sees the stream with
+the stem's mean under a stock load, without it under normfold.load).
 """
 
 from __future__ import annotations
@@ -95,8 +96,8 @@ def whisper_plan(model: nn.Module) -> ConversionPlan:
         plan.streams.append(stream)
         plan.notes.append(
             f"the encoder stem ends in a functional GELU whose output is not zero-mean: an explicit Recenter "
-            f"acts on the input of {join(encoder, 'layers.0')} (one O(d) op per audio frame); the checkpoint "
-            "is therefore not stock-reloadable (normfold.load restores the Recenter)")
+            f"acts on the input of {join(encoder, 'layers.0')} (one O(d) op per audio frame); normfold.load "
+            "restores it, stock transformers needs none (its LayerNorms re-centre their input)")
     if decoder is not None:
         stream = expand_at(DECODER, model, decoder)
         stream.norms.append(NormSite(join(decoder, "layer_norm"),
@@ -142,7 +143,7 @@ ADAPTER = Adapter(
     model_types=("whisper",),
     check=_check,
     example_inputs=whisper_inputs,
-    capabilities=Capabilities(variants=("rmsnorm",), stock_reloadable=False),
+    capabilities=Capabilities(variants=("rmsnorm",), stock_reloadable=True),
     examples=(
         TinyExample("d32", "WhisperConfig",
                     dict(_COMMON, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,

@@ -39,11 +39,12 @@ turns a Pre-RMSNorm / Pre-CRMSNorm one back into the stock Pre-LN architecture (
 
 The result loads with plain transformers (AutoModelForCausalLM.from_pretrained(DIR)) where the
 report says stock_reloadable, and with normfold.load(DIR) to get normfold's fast RMSNorm kernels.
-A tied embedding/head (GPT-2, OPT, Whisper, ...) stays one tensor: centring the table E' = E - m1^T
-(m the row means), the head computes the original logits as h E'^T + (sum h) m, so the model grows
-by one vector (m) instead of a vocab x d copy; such a checkpoint loads with normfold.load only.
---untie writes the untied plain-transformers form instead. The summary states the size change
-(parameters, weight bytes, files on disk) and which loader reads the result.
+A tied embedding/head (GPT-2, OPT, Whisper, ...) stays one tensor: the table stays the original,
+shared with the stock head, and a Recenter after the embedding centres its output; plain
+transformers reloads it too (its LayerNorms re-centre their input, so it needs no Recenter).
+With --fold-final the head takes the final norm's γ and reads the centred table plus its row
+means (normfold.load only). --untie writes an untied copy of the centred table instead. The
+summary states the size change (parameters, weight bytes, files on disk) and which loader reads the result.
 """
 
 EPILOG = """\
@@ -52,7 +53,7 @@ examples:
   normfold convert ./my-dinov2 --out ./dinov2-rms     no adapter: the plan normfold analyze derives
   normfold convert ./gpt2 --out ./gpt2-rms --auto     the derived plan although GPT-2 has an adapter
   normfold convert ./gpt2 --out ./gpt2-rms --force    replace an existing output directory
-  normfold convert ./gpt2 --out ./gpt2-rms --untie    untied head: plain transformers reloads it (+vocab x d)
+  normfold convert ./gpt2 --out ./gpt2-rms --untie    untied head, the table copied centred (+vocab x d)
   normfold convert ./gpt2 --out ./gpt2-rms --dtype bfloat16 --json > report.json
   normfold convert --to crmsnorm --out ./kjv-crms     Pre-CRMSNorm, d-1 stream (--pad: d, zero last)
   normfold convert ./kjv-crms --to layernorm --out ./kjv-ln   back to the stock Pre-LN architecture
@@ -87,10 +88,11 @@ def add_parser(sub) -> None:
     p.add_argument("--allow-new-bias", action="store_true",
                    help="let readers without a bias grow one to absorb the norm's shift (not stock-reloadable)")
     p.add_argument("--untie", action="store_true",
-                   help="give a head tied to the embedding table its own copy of the table: the plain transformers "
-                        "form that stock from_pretrained reloads (vocab x d more parameters). By default the tie is "
-                        "kept (the original table and the stock head, a Recenter after the embedding; with --fold-final the "
-                        "head reads the centred table plus its row means; loads with normfold.load)")
+                   help="give a head tied to the embedding table its own copy of the (centred) table, no Recenter: "
+                        "the untied plain transformers form (vocab x d more parameters). By default the tie is "
+                        "kept (the original table and the stock head, a Recenter after the embedding, which stock "
+                        "from_pretrained also reloads; with --fold-final the head reads the centred table plus its "
+                        "row means: normfold.load only)")
     p.add_argument("--pad", action="store_true",
                    help="--to crmsnorm: keep every tensor d-wide with a zero last stream coordinate instead of d-1 "
                         "(paper 001 §3.4.2, for hardware that handles d-1 poorly)")
@@ -350,10 +352,10 @@ def summary(report, written, args) -> str:
                    + (f" ({', '.join(kept_affine[:3])}{', ...' if len(kept_affine) > 3 else ''})" if kept_affine else "")],
         ["tensors edited", f"{report.tensors_edited} ({len(report.centered)} writers centred, "
                            f"{len(report.structure.untied)} tied parameters untied)"],
-        ["reload", ("stock transformers: yes (from_pretrained); normfold.load: yes" if report.stock_reloadable
+        ["reload", ("stock transformers: yes (from_pretrained); normfold.load: yes"
+                    + (" (tied head kept as one tensor)" if report.keeps_tie else "") if report.stock_reloadable
                     else "stock transformers: no; normfold.load: yes"
-                    + (" (tied head kept; --untie for a stock-reloadable checkpoint)"
-                       if report.keeps_tie else " (see notes)"))],
+                    + (" (tied head kept as one tensor; see notes)" if report.keeps_tie else " (see notes)"))],
     ]
     rows += _size_rows(report.size)
     lines.append(table(rows))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..convert import ConvertedHandler, Variant, register_converted_handler, register_variant
 from ..io import register_structure_part
-from .convert import apply_crmsnorm, compress
+from .convert import apply_crmsnorm, compress, keep_ties_compressed
 from .reverse import convert_converted, decompress, source_variant, to_layernorm
 from .runtime import StreamCRMSNorm, TiedCompressedHead, apply_compression, decompress_last
 
@@ -18,7 +18,8 @@ register_converted_handler(ConvertedHandler(source_variant, convert_converted))
 register_structure_part("compression", apply_compression)  # normfold.load rebuilds the d-1 stream
 register_variant(Variant(
     "crmsnorm", "Pre-LN -> Pre-CRMSNorm: zero-mean stream compressed to d-1 coordinates, LayerNorm -> CRMSNorm "
-    "(exact; --pad keeps d with a zero last coordinate)", apply_crmsnorm, takes_options=True))
+    "(exact; --pad keeps d with a zero last coordinate)", apply_crmsnorm, takes_options=True,
+    keep_ties=keep_ties_compressed))
 
 
 

@@ -13,8 +13,12 @@ Per residual stream of the adapter's plan (all algebra float64, each tensor roun
    (`algebra.compress_reader`); a norm that keeps γ/β (final norms: their output is a model output;
    norms whose readers have no bias to take β) returns the decompressed d-wide γ⊙n + β and its
    readers are unchanged;
-5. tied parameters: the rmsnorm step already untied every edited tensor (centring wte unties it
-   from lm_head), so lm_head keeps the original d-wide table and reads the decompressed final norm.
+5. tied parameters: where the family's entry block is known (`TIE_ENTRY`, unpadded), a tied table stays
+   the original d-wide tensor shared with the stock head: the embedding writers (the table and what is
+   summed with it) leave the writers and the stream is recentred and compressed on the entry block's
+   input (`keep_ties_compressed`); the final norm returns the d-wide γ⊙n + β, so the logits are the
+   original GEMM. Elsewhere the rmsnorm step untied every edited tensor (centring wte unties it from
+   lm_head) and `retie_heads` ties the head to the compressed table (`TiedCompressedHead`).
 
 Padded mode (`variant_options={"pad": True}`, `--pad`): shapes stay d; the dropped coordinate is
 zero instead (writers' last output row and bias entry, readers' last input column).
@@ -22,6 +26,7 @@ zero instead (writers' last output row and bias entry, readers' last input colum
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import re
@@ -57,6 +62,44 @@ WIDTH_AT_EMBEDDINGS: dict[str, tuple[str, str]] = {
     "gpt_neo": ("drop", "h.0"),
     "gptj": ("drop", "h.0"),
 }
+
+
+# The block on whose input the summed embeddings become the stream (path relative to the base model), per
+# adapter: a tied table is kept there in the original (`keep_ties_compressed`). A family enters once its tests
+# do (tests/test_ties_crms.py); the others keep the TiedCompressedHead form.
+TIE_ENTRY: dict[str, str] = {"gpt2": "h.0", "gpt_neo": "h.0", "gpt_bigcode": "h.0"}
+
+
+def keep_ties_compressed(model: nn.Module, plan: ConversionPlan, options, moved: list[str]) -> ConversionPlan:
+    """crmsnorm's `Variant.keep_ties` (see `convert.recentre_tied_tables`): the stream holding a tied table
+    `moved` is compressed where the summed embeddings enter the first block (a recentre-and-compress op on
+    its input: `recenter_before`, which `compress` turns into `compress_before`), so the embedding tables
+    summed before it stay d-wide and as they are: the tied table is the original tensor shared with the stock
+    head, and the position table is not edited either (the op recentres the sum). Padded mode, or a family
+    without a known entry block, keeps the plan (the TiedCompressedHead form)."""
+    from ..report import TIE_NOTE
+
+    opts = options.target_options() if hasattr(options, "target_options") else dict(options.variant_options or {})
+    if opts.get("pad") or plan.adapter not in TIE_ENTRY:
+        return plan
+    entry = join(base_prefix(model), TIE_ENTRY[plan.adapter])
+    streams, done = [], []
+    for st in plan.streams:
+        if not any(t in st.writers for t in moved):
+            streams.append(st)
+            continue
+        embeds = [w for w in st.writers if not _BLOCK.search(w)]  # summed before the entry block
+        streams.append(dataclasses.replace(st, writers=[w for w in st.writers if w not in embeds],
+                                           recenter_before=list(st.recenter_before) + [entry]))
+        done += [t for t in moved if t in st.writers]
+    plan = copy.copy(plan)
+    plan.streams = streams
+    plan.notes = list(plan.notes) + [
+        f"{TIE_NOTE}: the table stays the original (uncentred, d-wide) tensor shared with the stock head "
+        f"({', '.join(done)}); the stream is recentred and compressed to d−1 on the input of {entry}, after the "
+        "summed embeddings, so the embedding tables are not edited, and the final norm returns the d-wide "
+        "output: the logits are the original GEMM, no correction term, no extra parameter"]
+    return plan
 
 
 def _stream_width(model: nn.Module, stream: StreamPlan) -> int:
@@ -197,7 +240,8 @@ def compress(model: nn.Module, plan: ConversionPlan, report, pad: bool = False) 
                         "compression_point": (stream.recenter_after or stream.recenter_before or ["writers"])[0]})
     widen, narrow = [], []
     spec = WIDTH_AT_EMBEDDINGS.get(plan.adapter)
-    if spec is not None and not pad:
+    # a stream compressed on the entry block's input (a kept tie) is d-wide at the embeddings already
+    if spec is not None and not pad and join(base_prefix(model), spec[1]) not in before:
         base = base_prefix(model)
         widen.append(join(base, spec[0]))
         narrow.append(join(base, spec[1]))
@@ -230,6 +274,14 @@ def apply_crmsnorm(model: nn.Module, plan: ConversionPlan, options, report) -> N
             f"({on_stream[0]}, ...) next to LayerNorms that stay LayerNorms ({plan.kept[0].path}); the stream they "
             "build is not a sum of compressible writers, so it cannot be compressed. Use --to rmsnorm.")
     aliases = _aliases(model)
+    # a tied table kept the original where the family allows (idempotent: convert and stream rewrote it already;
+    # the float64 re-conversion of the verification passes the adapter's own plan)
+    from ..convert import recentre_tied_tables
+
+    rewritten = recentre_tied_tables(model, plan, options)
+    if rewritten is not plan:
+        report.notes += [n for n in rewritten.notes if n not in report.notes]
+    plan = rewritten
     # untied first (the d-wide head reads the decompressed final norm); retie_heads re-ties what it can
     apply_rmsnorm(model, plan, dataclasses.replace(options, untie=True), report)
     report.structure.compression = compress(model, plan, report, pad=pad)

@@ -1,0 +1,120 @@
+"""A tied embedding/head kept in the original by `--to crmsnorm` (GPT-2, GPT-Neo, GPT-BigCode:
+`compress.convert.TIE_ENTRY`).
+
+The d−1 stream needs a compression point after the summed embeddings: the stream is recentred and compressed
+on the input of the first block (`structure.compression.compress_before`), so wte (shared with the stock
+lm_head) and wpe stay the original d-wide tensors, the final norm returns the d-wide γ⊙n + β and the logits
+are the original GEMM: no TiedCompressedHead, no row-mean vector. References: the original model in float64.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import normfold
+from helpers import realistic, rel_err, run_flat
+from normfold.adapters import get_adapter
+from normfold.compress import TiedCompressedHead
+from normfold.compress.convert import TIE_ENTRY
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+# (family, example, head): every tied example of a registered family
+CASES = [("gpt2", "tied", "GPT2LMHeadModel"), ("gpt2", "tied", "GPT2DoubleHeadsModel"),
+         ("gpt_neo", "global-local-tied", "GPTNeoForCausalLM"), ("gpt_bigcode", "mqa-tied", "GPTBigCodeForCausalLM")]
+
+
+def build(family="gpt2", example="tied", head="GPT2LMHeadModel", dtype=torch.float64):
+    torch.manual_seed(0)
+    ex = next(e for e in get_adapter(family).examples if e.name == example)
+    return realistic(ex.build(head, dtype))
+
+
+def inputs_for(model, family="gpt2"):
+    return get_adapter(family).example_inputs(model, torch.Generator().manual_seed(0))
+
+
+def test_registered_families():
+    assert {f for f, _, _ in CASES} == set(TIE_ENTRY) and set(TIE_ENTRY.values()) == {"h.0"}
+
+
+@pytest.mark.parametrize("family,example,head", CASES)
+def test_tied_table_stays_original_and_logits_exact(family, example, head):
+    model = build(family, example, head)
+    conv, report = normfold.convert(model, to="crmsnorm")
+    assert report.verification["passed"] and report.verification["fp64"]["max_rel_error"] <= 1e-9
+    comp = report.structure.compression
+    assert comp["compress_before"] == ["transformer.h.0"] and comp["tied_heads"] == []
+    assert comp["widen_after"] == comp["narrow_before"] == [] and comp["compress_after"] == []
+    t = conv.transformer
+    assert type(conv.lm_head) is nn.Linear and conv.lm_head.weight is t.wte.weight  # one tensor, the stock head
+    assert torch.equal(t.wte.weight, model.transformer.wte.weight)  # the original tables, d-wide
+    assert torch.equal(t.wpe.weight, model.transformer.wpe.weight)
+    assert not any(isinstance(m, TiedCompressedHead) for m in conv.modules())
+    assert comp["shapes"] and all(n.startswith("transformer.h.") for n in comp["shapes"])  # the d−1 blocks
+    assert comp["streams"][0]["width_after"] == model.config.hidden_size - 1
+    ref, got = run_flat(model, inputs_for(model, family)), run_flat(conv, inputs_for(model, family))
+    for name in ref:
+        if "logits" in name:
+            assert rel_err(got[name], ref[name]) <= 1e-9, name
+    before = sum(p.numel() for p in model.parameters())
+    after = sum(p.numel() for p in conv.parameters())
+    assert after <= before and report.size["parameters"]["after"] == after
+    assert report.keeps_tie and any("compressed to d−1 on the input of transformer.h.0" in n for n in report.notes)
+    assert "original d-wide table" in report.to_dict()["reload"]["how"]
+
+
+@pytest.mark.parametrize("family,example,head", [c for c in CASES if c[2] != "GPT2DoubleHeadsModel"])
+def test_save_load_and_generate_unchanged(family, example, head, tmp_path):
+    model = build(family, example, head)
+    conv, report = normfold.convert(model, to="crmsnorm", verify=False)
+    loaded = normfold.load(normfold.save(conv, report, tmp_path / "out"))
+    assert type(loaded.lm_head) is nn.Linear and loaded.lm_head.weight is loaded.transformer.wte.weight
+    assert sum(p.numel() for p in loaded.parameters()) == sum(p.numel() for p in conv.parameters())
+    inputs = inputs_for(model, family)
+    want = run_flat(conv, inputs)
+    for name, value in run_flat(loaded, inputs).items():
+        assert rel_err(value, want[name]) <= 1e-12, name
+    prompt = torch.randint(1, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    with torch.no_grad():
+        ref = model.generate(prompt, **kw)
+        assert torch.equal(conv.generate(prompt, **kw), ref)
+        assert torch.equal(loaded.generate(prompt, **kw), ref)
+
+
+def test_padded_form_keeps_the_compressed_table_tie():
+    """--pad keeps every shape d-wide: the older TiedCompressedHead form stays (no entry point needed)."""
+    model = build()
+    conv, report = normfold.convert(model, to="crmsnorm", pad=True)
+    assert report.verification["passed"]
+    assert [x["head"] for x in report.structure.compression["tied_heads"]] == ["lm_head"]
+    assert isinstance(conv.lm_head, TiedCompressedHead)
+
+
+def test_streamed_equals_in_memory_and_back_to_layernorm(tmp_path):
+    from normfold.stream import stream_convert
+    from stream._compare import make_checkpoint, tensors_bytes
+
+    src = make_checkpoint(get_adapter("gpt2").examples[0], "GPT2LMHeadModel", tmp_path / "src", shard="8KB")
+    model, _ = normfold.io.load_source(src)
+    conv, rep = normfold.convert(model, to="crmsnorm", verify=False)
+    normfold.save(conv, rep, tmp_path / "mem", source_dir=src)
+    (tmp_path / "st").mkdir()
+    srep = stream_convert(src, tmp_path / "st", to="crmsnorm")
+    assert srep.structure.compression["compress_before"] == ["transformer.h.0"]
+    assert tensors_bytes(tmp_path / "mem") == tensors_bytes(tmp_path / "st")
+    written = tensors_bytes(tmp_path / "st")
+    assert written["transformer.wte.weight"] == tensors_bytes(src)["transformer.wte.weight"]
+    assert not any(n.startswith("lm_head.") for n in written)
+    # back to the stock architecture: the tie and the original tables, plain transformers reloads it
+    back, brep = normfold.convert(normfold.load(tmp_path / "st"), to="layernorm")
+    assert brep.verification["passed"] and brep.stock_reloadable
+    stock = transformers.GPT2LMHeadModel.from_pretrained(normfold.save(back, brep, tmp_path / "ln")).eval()
+    assert stock.lm_head.weight is stock.transformer.wte.weight
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        exact = model.double()(ids).logits
+        base = rel_err(model.float()(ids).logits, exact)
+        assert rel_err(stock(ids).logits, exact) <= 4 * base + 64 * torch.finfo(torch.float32).eps
