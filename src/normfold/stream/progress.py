@@ -22,8 +22,9 @@ CONVERT_WEIGHT = 1.0
 # the way back --to layernorm from its rmsnorm conversion, convert 5.6 s, verify 8.1 s, under load 5)
 CONVERT_WEIGHTS = {"rmsnorm": CONVERT_WEIGHT, "crmsnorm": 1.6, "layernorm": 1.4}
 # --rotate: the float64 products t·Q cost O(d) per element, so this holds near d = 1600 only (measured there:
-# convert 120 s, verify 53 s, under load 5.5-8); at other widths the estimate moves gradually, as for any phase
-ROTATE_CONVERT_WEIGHT = 4.6
+# quiet, convert 39.1 s, verify 6.9 s: 2.04 × 39.1 / 6.9); at other widths the estimate moves gradually, as for
+# any phase
+ROTATE_CONVERT_WEIGHT = 11.0
 VERIFY_PASS_WEIGHTS = (0.52, 0.66, 0.08, 0.41, 0.37)  # blockverify's passes 1..5, in order
 IN_MEMORY_VERIFY_WEIGHT = 1.0  # small sources (verified in memory): one step, about the conversion's cost
 
