@@ -1,4 +1,5 @@
-"""A tied embedding/head kept in the original by `--to crmsnorm` (GPT-2, GPT-Neo, GPT-BigCode:
+"""A tied embedding/head kept in the original by `--to crmsnorm` (GPT-2, GPT-Neo, GPT-BigCode, OPT, GPT-NeoX, Phi,
+Falcon:
 `compress.convert.TIE_ENTRY`).
 
 The d−1 stream needs a compression point after the summed embeddings: the stream is recentred and compressed
@@ -35,8 +36,52 @@ def inputs_for(model, family="gpt2"):
     return get_adapter(family).example_inputs(model, torch.Generator().manual_seed(0))
 
 
+# the families whose models name their parts otherwise: checked through get_input/output_embeddings
+GENERIC = [("opt", "pre-ln", "OPTForCausalLM"), ("gpt_neox", "sequential-no-bias-eps6", "GPTNeoXForCausalLM"),
+           ("phi", "qk-layernorm-eps6", "PhiForCausalLM"), ("falcon", "new-arch-ln-attn-mlp", "FalconForCausalLM"),
+           ("falcon", "new-arch-one-ln-bias-eps6", "FalconForCausalLM"),
+           ("falcon", "sequential-alibi-bias-rw-style", "FalconForCausalLM")]
+
+
 def test_registered_families():
-    assert {f for f, _, _ in CASES} == set(TIE_ENTRY) and set(TIE_ENTRY.values()) == {"h.0"}
+    assert {f for f, _, _ in CASES + GENERIC} == set(TIE_ENTRY)
+    assert all(v.endswith(".0") for v in TIE_ENTRY.values())
+
+
+@pytest.mark.parametrize("family,example,head", GENERIC)
+def test_other_families_keep_the_original_table(family, example, head, tmp_path):
+    """OPT, GPT-NeoX, Phi, Falcon: the same form through each family's entry block (TIE_ENTRY): the stock head
+    shares the unchanged table, logits exact in float64, fewer parameters, save → load and greedy generate()
+    unchanged."""
+    model = build(family, example, head)
+    table = model.get_input_embeddings().weight
+    assert model.get_output_embeddings().weight is table  # the example is tied
+    conv, report = normfold.convert(model, to="crmsnorm")
+    assert report.verification["passed"] and report.verification["fp64"]["max_rel_error"] <= 1e-9
+    comp = report.structure.compression
+    assert len(comp["compress_before"]) == 1 and comp["compress_before"][0].endswith(TIE_ENTRY[family])
+    assert comp["tied_heads"] == [] and comp["streams"][0]["width_after"] == model.config.hidden_size - 1
+    head_w = conv.get_output_embeddings().weight
+    assert type(conv.get_output_embeddings()) is nn.Linear and head_w is conv.get_input_embeddings().weight
+    assert torch.equal(head_w, table)
+    assert not any(isinstance(m, TiedCompressedHead) for m in conv.modules())
+    inputs = inputs_for(model, family)
+    ref, got = run_flat(model, inputs), run_flat(conv, inputs)
+    for name in ref:
+        if "logits" in name:
+            assert rel_err(got[name], ref[name]) <= 1e-9, name
+    assert sum(p.numel() for p in conv.parameters()) <= sum(p.numel() for p in model.parameters())
+    loaded = normfold.load(normfold.save(conv, report, tmp_path / "out"))
+    assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
+    want = run_flat(conv, inputs)
+    for name, value in run_flat(loaded, inputs).items():
+        assert rel_err(value, want[name]) <= 1e-12, name
+    prompt = torch.randint(1, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    with torch.no_grad():
+        ref_tokens = model.generate(prompt, **kw)
+        assert torch.equal(conv.generate(prompt, **kw), ref_tokens)
+        assert torch.equal(loaded.generate(prompt, **kw), ref_tokens)
 
 
 @pytest.mark.parametrize("family,example,head", CASES)

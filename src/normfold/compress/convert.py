@@ -67,7 +67,9 @@ WIDTH_AT_EMBEDDINGS: dict[str, tuple[str, str]] = {
 # The block on whose input the summed embeddings become the stream (path relative to the base model), per
 # adapter: a tied table is kept there in the original (`keep_ties_compressed`). A family enters once its tests
 # do (tests/test_ties_crms.py); the others keep the TiedCompressedHead form.
-TIE_ENTRY: dict[str, str] = {"gpt2": "h.0", "gpt_neo": "h.0", "gpt_bigcode": "h.0"}
+# the first block's path under the base model, per family: where the summed embeddings enter the blocks
+TIE_ENTRY: dict[str, str] = {"gpt2": "h.0", "gpt_neo": "h.0", "gpt_bigcode": "h.0", "falcon": "h.0",
+                             "opt": "decoder.layers.0", "gpt_neox": "layers.0", "phi": "layers.0"}
 
 
 def keep_ties_compressed(model: nn.Module, plan: ConversionPlan, options, moved: list[str]) -> ConversionPlan:
