@@ -60,6 +60,15 @@ def _centre(t):
     return t - t.mean(-1, keepdim=True)
 
 
+def _assert_outputs_match(got, ref, centred, tol=1e-9):
+    """Every output within tol of the original's; the raw stream (centred outputs) up to a per-token constant."""
+    for name in ref:
+        if any(fnmatch.fnmatch(name, p) for p in centred):
+            assert rel_err(_centre(got[name]), _centre(ref[name])) <= tol, name
+        else:
+            assert rel_err(got[name], ref[name]) <= tol, name
+
+
 def test_every_family_with_a_recenter_is_covered():
     names = {a.name for a, _, _ in CASES}
     assert {"gpt2", "gpt_neo", "gpt_neox", "opt", "phi", "gpt_bigcode", "falcon", "bert", "roberta", "distilbert",
@@ -86,11 +95,7 @@ def test_stock_transformers_reloads_the_recenter_form(adapter, example, head, tm
     ref, got = run_flat(model, inputs), run_flat(stock, inputs)
     centred = report.centered_outputs
     assert set(got) == set(ref)
-    for name in ref:
-        if any(fnmatch.fnmatch(name, p) for p in centred):  # the raw stream: equal up to a per-token constant
-            assert rel_err(_centre(got[name]), _centre(ref[name])) <= 1e-9, name
-        else:
-            assert rel_err(got[name], ref[name]) <= 1e-9, name
+    _assert_outputs_match(got, ref, centred)
     # normfold.load reads the same file and re-attaches the Recenters: the converted model's outputs exactly
     loaded = normfold.load(out, fast=False)
     want = run_flat(conv, inputs)
@@ -185,11 +190,7 @@ def test_keep_affine_recenter_form_is_stock_reloadable_too(family, head, tmp_pat
     stock = getattr(transformers, head).from_pretrained(normfold.save(conv, report, tmp_path / "out"),
                                                         dtype=torch.float64).eval()
     ref, got = run_flat(model, inputs), run_flat(stock, inputs)
-    for name in ref:
-        if any(fnmatch.fnmatch(name, p) for p in report.centered_outputs):
-            assert rel_err(_centre(got[name]), _centre(ref[name])) <= 1e-9, name
-        else:
-            assert rel_err(got[name], ref[name]) <= 1e-9, name
+    _assert_outputs_match(got, ref, report.centered_outputs)
 
 
 @pytest.mark.parametrize("family,head", [("gpt2", "GPT2LMHeadModel"), ("whisper", "WhisperForConditionalGeneration"),
@@ -207,8 +208,4 @@ def test_pre_crmsnorm_back_to_rmsnorm_is_stock_reloadable(family, head, tmp_path
     out = normfold.save(rms, report, tmp_path / "out")
     stock = getattr(transformers, head).from_pretrained(out, dtype=torch.float64).eval()
     ref, got = run_flat(model, inputs), run_flat(stock, inputs)
-    for name in ref:
-        if any(fnmatch.fnmatch(name, p) for p in report.centered_outputs):
-            assert rel_err(_centre(got[name]), _centre(ref[name])) <= 1e-9, name
-        else:
-            assert rel_err(got[name], ref[name]) <= 1e-9, name
+    _assert_outputs_match(got, ref, report.centered_outputs)

@@ -43,6 +43,16 @@ GENERIC = [("opt", "pre-ln", "OPTForCausalLM"), ("gpt_neox", "sequential-no-bias
            ("falcon", "sequential-alibi-bias-rw-style", "FalconForCausalLM")]
 
 
+def assert_generate_unchanged(model, *others):
+    """Greedy generate() gives the original's tokens for every converted / reloaded model."""
+    prompt = torch.randint(1, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    with torch.no_grad():
+        ref = model.generate(prompt, **kw)
+        for other in others:
+            assert torch.equal(other.generate(prompt, **kw), ref)
+
+
 def test_registered_families():
     assert {f for f, _, _ in CASES + GENERIC} == set(TIE_ENTRY)
     assert all(v.endswith(".0") for v in TIE_ENTRY.values())
@@ -76,12 +86,7 @@ def test_other_families_keep_the_original_table(family, example, head, tmp_path)
     want = run_flat(conv, inputs)
     for name, value in run_flat(loaded, inputs).items():
         assert rel_err(value, want[name]) <= 1e-12, name
-    prompt = torch.randint(1, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
-    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
-    with torch.no_grad():
-        ref_tokens = model.generate(prompt, **kw)
-        assert torch.equal(conv.generate(prompt, **kw), ref_tokens)
-        assert torch.equal(loaded.generate(prompt, **kw), ref_tokens)
+    assert_generate_unchanged(model, conv, loaded)
 
 
 @pytest.mark.parametrize("family,example,head", CASES)
@@ -121,12 +126,7 @@ def test_save_load_and_generate_unchanged(family, example, head, tmp_path):
     want = run_flat(conv, inputs)
     for name, value in run_flat(loaded, inputs).items():
         assert rel_err(value, want[name]) <= 1e-12, name
-    prompt = torch.randint(1, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
-    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
-    with torch.no_grad():
-        ref = model.generate(prompt, **kw)
-        assert torch.equal(conv.generate(prompt, **kw), ref)
-        assert torch.equal(loaded.generate(prompt, **kw), ref)
+    assert_generate_unchanged(model, conv, loaded)
 
 
 def test_padded_form_keeps_the_compressed_table_tie():
