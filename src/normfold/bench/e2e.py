@@ -27,7 +27,8 @@ from ..errors import NormfoldError
 from . import e2e_models as em
 from .model import hook_overhead, median_ms, norm_times, paired_norm_ratio
 from .results import write
-from .timing import Bar, machine_info, measure, paired, ratio_verdict, steady_allocator
+from .timing import (Bar, forward_cost, machine_info, measure, measure_weights, norm_times_weights, paired,
+                     ratio_verdict, steady_allocator)
 
 # name -> (parameter dtype, autocast dtype or None)
 DTYPES = {
@@ -159,6 +160,15 @@ def _norm_time_columns(models: dict, cands: dict, repeats: int, tick, overhead: 
                                     paired_norm_ratio(per["rmsnorm"], per["layernorm"]))))
 
 
+def _cost(s: Setting, device_type: str) -> float:
+    """One forward's estimated cost, the weight of this setting's progress steps (GPT's head: every
+    token times the vocabulary; ViT's: the class token only, negligible)."""
+    cfg = s.cfg
+    dtype = DTYPES[s.dtype][0] if device_type == "cpu" else torch.float32  # GPU: relative multiply-adds
+    return forward_cost(cfg.dim, cfg.depth, cfg.mlp, cfg.tokens(), cfg.vocab if cfg.family == "gpt" else 0,
+                        s.batch, dtype)
+
+
 def run(out_dir="benchmarks", device: str = "cpu", quick: bool = False, rounds: int | None = None,
         compile: bool = False, progress: bool = True, models=None, batches=None, dtypes=None,
         settings: list[Setting] | None = None, seed: int = 0, min_time: float = 0.02):
@@ -174,14 +184,21 @@ def run(out_dir="benchmarks", device: str = "cpu", quick: bool = False, rounds: 
     device_type = "cuda" if device.startswith("cuda") else "cpu"
     rows: list[dict] = []
     timed_norms = device_type == "cpu"  # host-side hooks would time CUDA launches, not kernels
-    bar = Bar(len(settings) * rounds * (1 + len(NORM_VARIANTS) * timed_norms), "bench e2e", enabled=progress)
-    overhead = hook_overhead() if timed_norms else 0.0
     # One set of models per (config, dtype); batch sizes reuse them.
     groups: dict[tuple, list[Setting]] = {}
     for s in settings:
         groups.setdefault((s.cfg, s.dtype), []).append(s)
+    # the bar's steps, weighted by their estimated cost: one per round of measure, one per hooked forward
+    weights = []
+    for s in (s for group in groups.values() for s in group):
+        cost = _cost(s, device_type)
+        weights += measure_weights(rounds, (len(em.VARIANTS) + 1) * (2 if compile else 1), cost, min_time, 2)  # + A/A
+        weights += norm_times_weights(rounds, len(NORM_VARIANTS), cost) if timed_norms else []
+    bar = Bar(len(weights), "bench e2e", enabled=progress, weights=weights)
+    overhead = hook_overhead() if timed_norms else 0.0
     for (cfg, dtype), group in groups.items():
-        models = _models(cfg, device, dtype, compile)
+        with bar.paused():  # building and converting: outside the timed units' rate
+            models = _models(cfg, device, dtype, compile)
         param_dtype, amp = DTYPES[dtype]
         for s in group:
             x = cfg.inputs(s.batch, torch.Generator().manual_seed(seed)).to(device)

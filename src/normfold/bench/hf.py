@@ -36,7 +36,8 @@ from torch import nn
 
 from .model import hook_overhead, median_ms, norm_times, paired_norm_ratio
 from .results import write
-from .timing import Bar, machine_info, measure, paired, ratio_verdict, steady_allocator
+from .timing import (Bar, forward_cost, machine_info, measure, measure_weights, norm_times_weights, paired,
+                     ratio_verdict, steady_allocator)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -62,6 +63,15 @@ class HFCase:
         else:
             raise ValueError(f"unknown family {self.family!r}")
         return model.eval()
+
+    def forward_cost(self, dtype: torch.dtype) -> float:
+        """Estimated seconds of one forward (progress lines only; `timing.forward_cost`)."""
+        c = self.config
+        if self.family == "vit":
+            tokens = (c["image_size"] // c["patch_size"]) ** 2 + 1
+            return forward_cost(c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], tokens, 0,
+                                self.batch, dtype)
+        return forward_cost(c["n_embd"], c["n_layer"], 4 * c["n_embd"], self.seq, c["vocab_size"], self.batch, dtype)
 
     def inputs(self, model: nn.Module, dtype: torch.dtype, seed: int = 0) -> dict:
         g = torch.Generator().manual_seed(seed)
@@ -197,19 +207,26 @@ def run(out_dir="benchmarks", quick: bool = False, rounds: int | None = None, pr
     machine["allocator"] = steady_allocator()
     settings = [(c, d) for c in cases for d in dtypes]
     hooks = norm_hooks and "rmsnorm" in variants and device_type == "cpu"
-    bar = Bar(len(settings) * rounds * (len(variants) + 2 * hooks), "bench hf", enabled=progress)
+    # the bar's steps, weighted by their estimated cost: one per round of measure, one per hooked forward
+    weights = []
+    for case, d in settings:
+        cost = case.forward_cost(DTYPES[d] if device_type == "cpu" else torch.float32)
+        weights += measure_weights(rounds, len(variants), cost, min_time, 2)
+        weights += norm_times_weights(rounds, 2, cost) if hooks else []
+    bar = Bar(len(weights), "bench hf", enabled=progress, weights=weights)
     overhead = hook_overhead() if hooks else 0.0
     rows = []
     with tempfile.TemporaryDirectory(prefix="normfold-bench-hf-") as work:
         for case, dname in settings:
             dtype = DTYPES[dname]
-            models = {k: m.to(device) for k, m in candidates(case, dtype, work, seed, variants).items()}
+            with bar.paused():  # convert -> save -> load: outside the timed units' rate
+                models = {k: m.to(device) for k, m in candidates(case, dtype, work, seed, variants).items()}
             x = {k: v.to(device) if isinstance(v, torch.Tensor) else v
                  for k, v in case.inputs(models["original"], dtype, seed).items()}
             cands = {k: (lambda m=m: m(**x)) for k, m in models.items()}
             with torch.inference_mode():
                 stats = measure(cands, rounds=rounds, warmup=2, min_time=min_time, device=device_type,
-                                tick=lambda: bar.step(len(cands)))
+                                tick=bar.step)
                 norms = _norm_columns(models, cands, rounds, bar.step, overhead) if hooks else {}
             row = _row(case, dname, stats, list(models))
             row["device"] = device_type

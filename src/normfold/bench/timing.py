@@ -6,6 +6,7 @@ machine (frequency, other processes, page cache) from favouring whichever candid
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import platform
@@ -136,27 +137,49 @@ def machine_info() -> dict:
 class Bar:
     """A one-line progress bar on stderr (no dependency).
 
-    `total` counts units of work; a step may be worth several (`step(n)`). The time left is the
-    measured time per unit of the recent steps (the last RECENT of them) times the units left, so
-    it follows the step times as they change (a float32 pass then a bfloat16 one 10x slower),
-    instead of assuming every step costs the average so far."""
+    `total` counts units of work; a step may be worth several (`step(n)`). `weights` (one per unit,
+    default 1) say what each unit costs relative to the others, e.g. `forward_cost` of its model and
+    dtype. The time left is the average rate since the start (elapsed seconds per unit of weight,
+    model building and warm-ups included) times the weight left, as `stream.progress.Work` computes
+    it: a slow setting after fast ones (bfloat16 after float32, GPT-3 Medium after ViT-Ti) is already
+    in the estimate from the first line; time in `paused()` blocks (building the next setting's models)
+    is left out of the rate, so a one-off pause does not multiply it. (The estimate used to be the
+    last 20 steps' rate, which followed such changes in a jump: `bench e2e` printed "~8 s left" over
+    the first ViT rounds, then "~600 s left" on GPT-3 Medium, issue 26.)"""
 
-    RECENT = 20
-
-    def __init__(self, total: int, label: str, enabled: bool = True) -> None:
-        import collections
+    def __init__(self, total: int, label: str, enabled: bool = True, weights=None) -> None:
         import sys
 
         self.total, self.k, self.label, self.enabled, self.stream = total, 0, label, enabled, sys.stderr
-        self.t0 = self._last = time.perf_counter()
-        self._recent = collections.deque(maxlen=self.RECENT)  # (seconds, units) of the last steps
+        if weights is not None and len(weights) != total:
+            raise ValueError(f"Bar: {len(weights)} weights for {total} units")
+        # cumulative weight after k units, so a step of n units costs O(1)
+        self._cum = [0.0]
+        for w in (weights if weights is not None else [1.0] * total):
+            self._cum.append(self._cum[-1] + max(0.0, float(w)))
+        self.t0 = time.perf_counter()
+        self._paused = 0.0  # seconds spent in `paused()` blocks: shown as elapsed, not in the rate
         self._draw()
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Work outside the weighted units (building and converting the next setting's models): its time
+        stays out of the rate, so a long one-off pause does not multiply the estimate."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused += time.perf_counter() - t
+
+    def done(self) -> float:
+        """The weighted fraction of the work done (0..1)."""
+        return self._cum[min(self.k, self.total)] / self._cum[-1] if self._cum[-1] > 0 else 1.0
+
     def eta(self) -> float:
-        units = sum(u for _, u in self._recent)
-        if not units:
+        d = self.done()
+        if d <= 0:
             return 0.0
-        return sum(t for t, _ in self._recent) / units * max(0, self.total - self.k)
+        return (time.perf_counter() - self.t0 - self._paused) * (1.0 - d) / d
 
     def _draw(self) -> None:
         if not self.enabled:
@@ -164,14 +187,12 @@ class Bar:
         width = 30
         done = int(width * min(self.k, self.total) / max(1, self.total))
         el = time.perf_counter() - self.t0
+        left = f"~{self.eta():4.0f}s left" if self.k else "time left after the first step"
         self.stream.write(f"\r{self.label} [{'#' * done}{'.' * (width - done)}] {self.k}/{self.total} "
-                          f"{el:5.0f}s elapsed, ~{self.eta():4.0f}s left ")
+                          f"{el:5.0f}s elapsed, {left} ")
         self.stream.flush()
 
     def step(self, n: int = 1) -> None:
-        now = time.perf_counter()
-        self._recent.append((now - self._last, n))
-        self._last = now
         self.k += n
         self._draw()
 
@@ -179,6 +200,57 @@ class Bar:
         if self.enabled:
             self.stream.write("\n")
             self.stream.flush()
+
+
+def measure_weights(rounds: int, candidates: int, seconds: float, min_time: float, warmup: int) -> list[float]:
+    """`Bar` weights of one `measure` call's ticks (one per round) when one call takes ~`seconds`: a round
+    runs each candidate for at least `min_time`; the first tick also carries the warm-up and the
+    calibration call of every candidate."""
+    per_round = candidates * max(seconds, min_time)
+    return [per_round + candidates * (warmup + 1) * seconds] + [per_round] * (rounds - 1)
+
+
+def norm_times_weights(repeats: int, models: int, seconds: float) -> list[float]:
+    """`Bar` weights of `model.norm_times`' ticks (one per hooked forward; the first also warms every model up)."""
+    return [seconds * (1 + models)] + [seconds] * (repeats * models - 1)
+
+
+def forward_cost(dim: int, depth: int, mlp: int, tokens: int, head_rows: int = 0, batch: int = 1,
+                 dtype: torch.dtype = torch.float32) -> float:
+    """Estimated seconds of one forward of a Pre-LN transformer stack on this CPU, for progress lines
+    only: its multiply-adds (QKV + output projection 4d², MLP 2d·mlp, attention scores and values
+    2·tokens·d per token and layer, a head of `head_rows` outputs) at this machine's GEMM rate in
+    `dtype` (`gemm_seconds_per_mac`; bfloat16 is 0.5–10x float32's depending on the CPU)."""
+    per_token = depth * (4 * dim * dim + 2 * dim * mlp + 2 * tokens * dim) + head_rows * dim
+    return batch * tokens * per_token * gemm_seconds_per_mac(dtype)
+
+
+_GEMM_RATE: dict = {}
+
+
+def gemm_seconds_per_mac(dtype: torch.dtype, n: int = 384) -> float:
+    """Seconds per multiply-add of an n×n×n matrix product in `dtype` on this CPU, for the progress
+    lines' weights: CPU time of the product on one thread (the fastest of up to 20 within ~50 ms; CPU
+    time, because other processes on a shared machine stretch the wall clock, not the work) divided
+    by torch's thread count. Cached per dtype."""
+    if dtype not in _GEMM_RATE:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            a = torch.randn(n, n).to(dtype)
+            b = torch.randn(n, n).to(dtype)
+            a @ b  # warm-up (oneDNN primitive creation)
+            best, start = float("inf"), time.perf_counter()
+            for _ in range(20):
+                t = time.process_time()
+                a @ b
+                best = min(best, time.process_time() - t)
+                if time.perf_counter() - start > 0.05:
+                    break
+        finally:
+            torch.set_num_threads(threads)
+        _GEMM_RATE[dtype] = max(best, 1e-9) / n ** 3 / threads
+    return _GEMM_RATE[dtype]
 
 
 def steady_allocator() -> str:
