@@ -250,6 +250,20 @@ def test_cli_blockwise(tmp_path, capsys):
     assert "blocks beyond tolerance: transformer.h.1" in out and "FAIL" in out
 
 
+def test_cli_blockwise_progress_lines_carry_one_time_left(tmp_path, capsys, monkeypatch):
+    """`normfold verify --blockwise` prints its passes with the time left of the whole verification (the
+    same weighted estimate as `normfold convert`'s lines), not per-pass lines without one."""
+    from normfold.cli import main
+    from normfold.stream.progress import Work
+
+    monkeypatch.setattr(Work, "MIN_SECONDS", 0.0)  # a tiny model: estimate from the first line on
+    orig, conv, sharded = make(tmp_path, "gpt2", head="GPT2LMHeadModel")
+    assert main(["verify", str(orig), str(sharded), "--blockwise"]) == 0
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "converted in" in ln or "original in" in ln]
+    assert len(lines) == 5
+    assert all(" s left" in ln for ln in lines[1:]), lines  # the first pass starts before any work is done
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_checkpoint_agrees_with_in_memory(tmp_path, dtype):
     """bf16 / fp16 checkpoints: the working-dtype check runs in that dtype, like the in-memory one."""

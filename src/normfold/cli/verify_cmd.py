@@ -163,6 +163,7 @@ def _run_blockwise(args) -> int:
     import sys
 
     from ..stream.blockverify import verify_blockwise
+    from ..stream.progress import VERIFY_PASS_WEIGHTS, Reporter, Work
 
     inputs = None
     if args.text:
@@ -172,10 +173,12 @@ def _run_blockwise(args) -> int:
     steps = Steps(total=1, quiet=args.quiet)
     steps.start("verify", f"verifying {args.converted} against {args.original} block by block")
 
-    def progress(msg: str) -> None:
+    def say(msg: str) -> None:
         if not args.quiet:
             print(f"      {msg}", file=sys.stderr, flush=True)
 
+    # one time-left estimate over the five passes, weighted as in `normfold convert`'s lines
+    progress = Reporter(say, Work({"verify": sum(VERIFY_PASS_WEIGHTS)}))
     result = verify_blockwise(args.original, args.converted, inputs=inputs, seed=args.seed, progress=progress)
     steps.end()
     return _print_result(args, result)
