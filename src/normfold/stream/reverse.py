@@ -247,7 +247,7 @@ def stream_reverse(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                               dtype=str(working_dtype(ln)).replace("torch.", ""),
                               layernorms_total=layernorms_total, structure=copy.deepcopy(done))
     if to == "layernorm":
-        report.structure = Structure(untied=list(done.untied))
+        report.structure = Structure(untied=list(done.untied), added_bias=list(done.added_bias))
         report.stock_reloadable = not structure.added_bias
     else:  # its Recenters are for normfold's RMSNorms only (stock LN re-centres)
         report.stock_reloadable = not (done.added_bias or done.tied_heads)
