@@ -119,15 +119,19 @@ def test_reverse_directions_that_do_not_stream_are_refused(tmp_path):
     with pytest.raises(StreamUnsupportedError, match="in memory"):
         stream_convert(tmp_path / "crms", out, to="rmsnorm", pad=True)
     assert not any(out.iterdir())
-    rotated = tmp_path / "rot"
-    rotated.mkdir()
-    stream_convert(src, rotated, to="rmsnorm", rotate="hadamard")
-    for to in ("layernorm", "rmsnorm"):
-        out = tmp_path / f"out-rot-{to}"
-        out.mkdir()
-        with pytest.raises(StreamUnsupportedError, match="in memory"):
-            stream_convert(rotated, out, to=to)
-        assert not any(out.iterdir())
+    # a stream rotated through explicit x·Q ops (BLOOM's stem): the reverse conversions refuse it in memory too
+    bloom = make_checkpoint(get_adapter("bloom").examples[0], "BloomForCausalLM", tmp_path / "bloom", shard="20KB")
+    model, _ = normfold.io.load_source(bloom)
+    conv, report = normfold.convert(model, rotate="hadamard", verify=False)
+    assert report.structure.rotation.get("explicit")
+    normfold.save(conv, report, tmp_path / "bloom-rot", source_dir=bloom)
+    out = tmp_path / "out-bloom-rot"
+    out.mkdir()
+    with pytest.raises(StreamUnsupportedError, match="explicit / online rotation"):
+        stream_convert(tmp_path / "bloom-rot", out, to="layernorm")
+    assert not any(out.iterdir())
+    with pytest.raises(normfold.NormfoldError, match="explicit / online rotation"):
+        normfold.convert(normfold.load(tmp_path / "bloom-rot"), to="layernorm", verify=False)
     rms = _forward(tmp_path, src, False)
     for kw in ({"to": "crmsnorm"}, {"to": "rmsnorm"}, {"to": "layernorm", "fold_final": True}):
         out = tmp_path / ("o" + "-".join(map(str, kw.values())))
@@ -342,3 +346,54 @@ def test_streamed_crmsnorm_way_back_in_row_chunks_16bit(tmp_path, monkeypatch):
     _reverse_both(tmp_path, crms)
     assert tensors_bytes(tmp_path / "mem") == tensors_bytes(tmp_path / "st")
     assert {v[0] for v in tensors_bytes(tmp_path / "st").values()} == {"BF16"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["hadamard", "orthogonal"])
+@pytest.mark.parametrize("family,head", FAMILIES + [("gpt_neox", "GPTNeoXForCausalLM")])
+def test_streamed_rotated_way_back_equals_in_memory(tmp_path, monkeypatch, family, head, kind, dtype):
+    """A checkpoint rotated through its weights (--rotate, streamed) comes back --to layernorm as the in-memory
+    reverse makes it: every RMSNorm a LayerNorm (γ = 1, β = 0: the rotation folded them into the readers), the
+    weights kept in the rotated basis (the LayerNorm of the rotated zero-mean stream is its RMSNorm), the
+    rotation record dropped; the same bytes, a stock checkpoint computing the original's outputs; --to rmsnorm
+    from it is refused (it already is one)."""
+    import transformers
+
+    from normfold.stream import compute as stream_compute
+
+    monkeypatch.setattr(stream_compute, "CHUNK_BYTES", 1024)
+    example = get_adapter(family).examples[0]
+    src = make_checkpoint(example, head or example.heads[0], tmp_path / "src", dtype=dtype, shard="20KB")
+    rot = tmp_path / "rot"
+    rot.mkdir()
+    stream_convert(src, rot, to="rmsnorm", rotate=kind, rotate_seed=3)
+    assert normfold.io.read_report(rot).structure.rotation
+    mem_report, report = _reverse_both(tmp_path, rot)
+    mem, st = tensors_bytes(tmp_path / "mem"), tensors_bytes(tmp_path / "st")
+    assert mem == st
+    assert {v[0] for v in st.values()} == {"F32" if dtype == torch.float32 else "BF16"}
+    assert (tmp_path / "mem" / "config.json").read_text() == (tmp_path / "st" / "config.json").read_text()
+    a, b = mem_report.to_dict(), report.to_dict()
+    for key in ("variant", "structure", "stock_reloadable", "dtype", "centered_outputs", "adapter", "size"):
+        assert a[key] == b[key], key
+    assert not report.structure.rotation and report.stock_reloadable
+    rotated = tensors_bytes(rot)
+    copied = [k for k in st if k in rotated]
+    assert copied and all(st[k] == rotated[k] for k in copied)  # the rotated weights, byte for byte
+    # stock transformers reloads it: the original model's logits (float64 runs of both; a model whose output is
+    # the final norm's, in the rotated basis without its γ/β, has no logits to compare)
+    original, _ = normfold.io.load_source(src)
+    reloaded = getattr(transformers, type(original).__name__).from_pretrained(tmp_path / "st").double().eval()
+    original = original.double().eval()
+    inputs = get_adapter(family).example_inputs(original, torch.Generator().manual_seed(0))
+    inputs = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+    with torch.no_grad():
+        ref, got = original(**inputs), reloaded(**inputs)
+    if getattr(ref, "logits", None) is not None:
+        tol = 1e-5 if dtype == torch.float32 else 5e-2  # the weights rounded to the stored dtype after rotating
+        err = (got.logits - ref.logits).abs().max().item()
+        assert err <= tol * max(1.0, ref.logits.abs().max().item())
+    out = tmp_path / "st-rms"
+    out.mkdir()
+    with pytest.raises(StreamUnsupportedError, match="in memory"):
+        stream_convert(rot, out, to="rmsnorm")

@@ -119,13 +119,11 @@ def test_cli_way_back_catches_a_wrong_tensor(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("what,extra", [
-    ("rotated --to layernorm", ["--to", "layernorm"]),
     ("option", ["--fold-final"]),
 ])
 def test_what_does_not_stream_back(tmp_path, capsys, what, extra):
     """--stream always refuses (exit 2, one paragraph naming why, nothing written); auto converts in memory."""
-    kw = {"rotate": "hadamard"} if what.startswith("rotated") else {}  # a rotated checkpoint: back in memory
-    _, conv = _rms(tmp_path, "gpt2", "GPT2LMHeadModel", **kw)
+    _, conv = _rms(tmp_path, "gpt2", "GPT2LMHeadModel")
     to = extra if "--to" in extra else ["--to", "layernorm", *extra]
     before = sorted(p.name for p in tmp_path.iterdir())
     code = main(["convert", str(conv), *to, "--out", str(tmp_path / "o"), "--stream", "always", "-q"])
@@ -173,6 +171,16 @@ def _tied_scale_rms(tmp_path, dtype=torch.float32, allow_new_bias=False):
     return src, out
 
 
+def _new_way_back_source(tmp_path, family, head, case, dtype=torch.float32):
+    """(normfold checkpoint, --to) for each way back this file tests beyond the plain ones."""
+    if case.startswith("tied"):
+        return _tied_scale_rms(tmp_path, dtype)[1], "layernorm"
+    if case.startswith("rotated"):
+        kind = case.split("-")[1]
+        return _rms(tmp_path, family, head, dtype=dtype, rotate=kind, rotate_seed=3)[1], "layernorm"
+    return _rms(tmp_path, family, head, dtype=dtype, to="crmsnorm", pad="pad" in case)[1], "rmsnorm"
+
+
 @pytest.mark.parametrize("blockwise", [False, True], ids=["in-memory-verify", "blockwise-verify"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("family,head,case", [
@@ -180,6 +188,9 @@ def _tied_scale_rms(tmp_path, dtype=torch.float32, allow_new_bias=False):
                              ("bloom", "BloomForCausalLM")]
       for c in ("crmsnorm-to-rmsnorm", "crmsnorm-pad-to-rmsnorm")],
     ("gpt2", "GPT2LMHeadModel", "tied-scale-to-layernorm"),  # (OPT's: tests/stream/test_stream_reverse.py)
+    ("gpt2", "GPT2LMHeadModel", "rotated-hadamard-to-layernorm"),
+    ("opt", "OPTForCausalLM", "rotated-orthogonal-to-layernorm"),
+    ("vit", None, "rotated-hadamard-to-layernorm"),
 ])
 def test_cli_new_ways_back_stream_verify_and_match_every_mode(tmp_path, capsys, monkeypatch, family, head, case,
                                                              dtype, blockwise):
@@ -189,12 +200,7 @@ def test_cli_new_ways_back_stream_verify_and_match_every_mode(tmp_path, capsys, 
 
     if blockwise:
         monkeypatch.setattr(stream_cli, "VERIFY_IN_MEMORY_BYTES", 0)
-    if case.startswith("tied"):
-        _, conv = _tied_scale_rms(tmp_path, dtype)
-        to = "layernorm"
-    else:
-        _, conv = _rms(tmp_path, family, head, dtype=dtype, to="crmsnorm", pad="pad" in case)
-        to = "rmsnorm"
+    conv, to = _new_way_back_source(tmp_path, family, head, case, dtype)
     got = {}
     for mode in ("always", "auto", "never"):
         out = tmp_path / f"out-{mode}"
@@ -215,10 +221,12 @@ def test_cli_new_ways_back_stream_verify_and_match_every_mode(tmp_path, capsys, 
 
 @pytest.mark.parametrize("blockwise", [False, True], ids=["in-memory-verify", "blockwise-verify"])
 @pytest.mark.parametrize("case,target", [("crmsnorm-to-rmsnorm", "h.1.mlp.c_proj.weight"),
-                                         ("tied-scale-to-layernorm", "lm_head.weight")])
+                                         ("tied-scale-to-layernorm", "lm_head.weight"),
+                                         ("rotated-hadamard-to-layernorm", "h.1.mlp.c_proj.weight")])
 def test_cli_new_ways_back_catch_a_wrong_tensor(tmp_path, capsys, monkeypatch, case, target, blockwise):
-    """A streamed way back that wrote one wrong computed tensor (a restored writer of the decompression, the
-    untied head (E' + μ1ᵀ)·diag γ) fails verification, in memory and block by block, and nothing is written."""
+    """A streamed way back that wrote one wrong tensor (a restored writer of the decompression, the untied head
+    (E' + μ1ᵀ)·diag γ, a rotated weight) fails verification, in memory and block by block, and nothing is
+    written."""
     from safetensors.torch import load_file, save_file
 
     from normfold.cli import convert_stream as stream_cli
@@ -239,12 +247,7 @@ def test_cli_new_ways_back_catch_a_wrong_tensor(tmp_path, capsys, monkeypatch, c
     if blockwise:
         monkeypatch.setattr(stream_cli, "VERIFY_IN_MEMORY_BYTES", 0)
     monkeypatch.setattr(stream_cli, "stream_reverse", corrupting)
-    if case.startswith("tied"):
-        _, conv = _tied_scale_rms(tmp_path)
-        to = "layernorm"
-    else:
-        _, conv = _rms(tmp_path, "gpt2", "GPT2LMHeadModel", to="crmsnorm")
-        to = "rmsnorm"
+    conv, to = _new_way_back_source(tmp_path, "gpt2", "GPT2LMHeadModel", case)
     code = main(["convert", str(conv), "--to", to, "--out", str(tmp_path / "st"), "-q"])
     captured = capsys.readouterr()
     assert code == 1, captured.err
@@ -269,3 +272,22 @@ def test_tied_head_with_an_added_bias_streams_below_the_threshold_only(tmp_path,
     code, mem = _convert([str(conv), "--to", "layernorm", "--out", str(tmp_path / "mem")], capsys)
     assert code == 0 and not _streamed(mem)
     assert tensors_bytes(tmp_path / "st") == tensors_bytes(tmp_path / "mem")
+
+
+@pytest.mark.parametrize("stream", ["always", "auto"])
+def test_explicitly_rotated_checkpoint_is_refused_back(tmp_path, capsys, stream):
+    """A stream rotated with explicit x·Q ops (BLOOM's stem) does not convert back (the reverse conversions drop
+    such ops, in memory too): exit 2, one paragraph, nothing written, with --stream always and auto alike."""
+    example = get_adapter("bloom").examples[0]
+    src = make_checkpoint(example, "BloomForCausalLM", tmp_path / "src", shard="20KB")
+    model, _ = normfold.io.load_source(src)
+    conv, report = normfold.convert(model, rotate="hadamard", verify=False)
+    assert report.structure.rotation.get("explicit")
+    normfold.save(conv, report, tmp_path / "rot", source_dir=src)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code = main(["convert", str(tmp_path / "rot"), "--to", "layernorm", "--out", str(tmp_path / "o"),
+                 "--stream", stream, "-q"])
+    err = capsys.readouterr().err
+    assert code == 2 and "explicit / online rotation" in err and "Traceback" not in err
+    assert err.strip().count("\n") == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

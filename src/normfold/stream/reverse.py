@@ -162,8 +162,11 @@ def prepare_reverse(source_dir: str | os.PathLike, to: str = "layernorm"):
         raise StreamUnsupportedError(f"{path} already is a Pre-RMSNorm checkpoint: --to rmsnorm streams the way "
                                      "back from Pre-CRMSNorm only; convert it in memory (--stream never) to be "
                                      "told what it can become")
-    if structure.rotation:
-        raise StreamUnsupportedError("a rotated checkpoint is converted back in memory (--stream never)")
+    if structure.rotation and (structure.rotation.get("explicit") or structure.rotation.get("online")):
+        raise StreamUnsupportedError(
+            "this checkpoint's stream is rotated with explicit / online rotation ops (normfold.json "
+            "structure.rotation), which the reverse conversions do not carry over: convert the original LayerNorm "
+            "model instead (in memory, --stream never, says so too)")
     return src_report, config, cls, stock, kwargs, _open(path, stock)
 
 
