@@ -1,13 +1,16 @@
 """Streamed reverse conversion (issue 26 item 3): a Pre-RMSNorm (or Pre-CRMSNorm) checkpoint written by normfold
-(normfold.json) back to the stock Pre-LN model, tensor by tensor, with the same bytes as `normfold.load` +
-`normfold.convert(model, to="layernorm")` + `normfold.save`.
+(normfold.json) back to the stock Pre-LN model (`to="layernorm"`), or a Pre-CRMSNorm one to Pre-RMSNorm
+(`to="rmsnorm"`: decompress only), tensor by tensor, with the same bytes as `normfold.load` +
+`normfold.convert(model, to=...)` + `normfold.save`.
 
 Why it streams: `compress.reverse.to_layernorm` changes no tensor but two kinds, each computable on its own:
 
 - every RMSNorm becomes a LayerNorm holding the same γ / β (a byte copy), or ones / zeros where the affine
   was folded away (a fill);
 - a head kept tied to the centred table (nn.TiedHead, no folded γ, no added bias) is tied again: the table
-  becomes E' + μ1ᵀ, computed in float64 and rounded once (elementwise, so row chunks give the same bytes).
+  becomes E' + μ1ᵀ, computed in float64 and rounded once (elementwise, so row chunks give the same bytes);
+  one holding a folded γ or an added bias is untied as `TiedHead.untied_linear` computes it, (E' + μ1ᵀ)·diag γ
+  in float64 over row chunks, rounded once (its bias copied; the table stays E').
 
 Every other tensor is copied file to file; Recenters have no tensors. The structure (output names, dtypes,
 shapes, which tensor is which) comes from `to_layernorm` itself run on the converted model built on the meta
@@ -19,8 +22,14 @@ its tensors are per tensor as well: a writer's d−1 outputs get their last one 
 (not when padded), a tied compressed head becomes the untied (restored table + row means), all as decompress
 computes them.
 
-Not streamed (StreamUnsupportedError; convert in memory): `--to rmsnorm` from Pre-CRMSNorm, a tied head holding
-a folded γ or an added bias (untied as (E' + μ1ᵀ)·diag γ), a rotated model.
+`to="rmsnorm"` from Pre-CRMSNorm runs `decompress` alone on the meta model: the same per-tensor values, and the
+output tensors are `io.export_state_dict`'s (`plan.output_tensors`: folded-away affines as ones / zeros where the
+result is stock-reloadable). A model rotated through its weights (`--rotate`) comes back as in memory:
+`to_layernorm` keeps the rotated basis (no Qᵀ; the stream is zero-mean in it), so its weights are byte copies.
+
+Not streamed (StreamUnsupportedError; convert in memory): any other target or option from a normfold checkpoint
+(a Pre-RMSNorm one `--to rmsnorm` / `--to crmsnorm`), and a stream rotated with explicit / online ops (which the
+in-memory reverse conversions refuse too).
 """
 
 from __future__ import annotations
