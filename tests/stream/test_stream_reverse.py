@@ -397,3 +397,31 @@ def test_streamed_rotated_way_back_equals_in_memory(tmp_path, monkeypatch, famil
     out.mkdir()
     with pytest.raises(StreamUnsupportedError, match="in memory"):
         stream_convert(rot, out, to="rmsnorm")
+
+
+@pytest.mark.parametrize("scale", [False, True], ids=["retied", "untied-with-scale"])
+def test_nan_in_a_table_the_way_back_computes_is_refused(tmp_path, scale):
+    """A NaN in the table that the way back recomputes (E' + μ1ᵀ, or (E' + μ1ᵀ)·diag γ) is refused with
+    NonFiniteWeightsError naming the tensor, as the in-memory path's input check refuses it."""
+    from safetensors.torch import load_file, save_file
+
+    from normfold.errors import NonFiniteWeightsError
+
+    with pytest.MonkeyPatch.context() as m:
+        if not scale:  # the older form: a head kept tied to the centred table, nn.TiedHead without γ
+            m.setattr(importlib.import_module("normfold.convert"), "recentre_tied_tables",
+                      lambda model, plan, options: plan)
+            src = _source(tmp_path, "gpt2", "GPT2LMHeadModel")
+            rms = _forward(tmp_path, src, False)
+        else:
+            src = _zero_final_bias_source(tmp_path, "gpt2", "GPT2LMHeadModel")
+            rms = _forward(tmp_path, src, False, fold_final=True)
+    (tie,) = normfold.io.read_report(rms).structure.tied_heads
+    assert bool(tie["scale"]) == scale
+    (f,) = weight_files(rms)
+    state = load_file(f)
+    state["transformer.wte.weight"][5, 3] = float("nan")
+    save_file(state, f, metadata={"format": "pt"})
+    (tmp_path / "st").mkdir()
+    with pytest.raises(NonFiniteWeightsError, match="transformer.wte.weight"):
+        stream_convert(rms, tmp_path / "st", to="layernorm")

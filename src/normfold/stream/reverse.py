@@ -103,14 +103,21 @@ class _Tables:
         if name in self.specs:
             return self._decompressed(*self.specs[name])
         table_name, mean_name, scale_name = self.head_means[name]
-        table, mean = self._read(table_name), self._read(mean_name)
+        mean = self._read(mean_name)
         scale = self._read(scale_name).double()[None, :] if scale_name is not None else None
-        out = torch.empty_like(table)
-        for a, b in row_chunks(table.shape[0], CHUNK_BYTES // 8 // max(1, table.shape[1])):
-            full = table[a:b].double() + mean[a:b].double()[:, None]
+        info = self.source.tensors[table_name]
+        # one table-sized buffer: the stored table is read into it and each row chunk replaced by its result
+        out = torch.empty(tuple(info.shape), dtype=st.TORCH_DTYPES[info.dtype])
+        st.read_into(info.file, info.start, out)
+        for a, b in row_chunks(out.shape[0], CHUNK_BYTES // 8 // max(1, out.shape[1])):
+            rows = out[a:b]
+            if rows.is_floating_point() and not st.all_finite(rows):
+                raise NonFiniteWeightsError(f"tensor {table_name} of {self.source.path} has NaN/inf values; no "
+                                            "conversion of it can be exact. Fix or re-download the checkpoint.")
+            full = rows.double() + mean[a:b].double()[:, None]
             if scale is not None:  # untied_linear's order: (E' + μ1ᵀ), then ·diag γ
                 full = full * scale
-            out[a:b] = full.to(table.dtype)
+            rows.copy_(full.to(out.dtype))
         return out
 
     def _decompressed(self, kind: str, src: str, arg, pad: bool = False, mean_src: str | None = None) -> torch.Tensor:
