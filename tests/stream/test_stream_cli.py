@@ -91,9 +91,11 @@ def test_auto_converts_normfold_checkpoints_and_odd_sources_in_memory(ckpt, tmp_
     `prepare` refuses) go through the in-memory path."""
     from safetensors.torch import load_file, save_file
 
-    assert main(["convert", str(ckpt), "--out", str(tmp_path / "rms"), "-q", "--to", "crmsnorm"]) == 0
+    # (Pre-CRMSNorm --to rmsnorm / layernorm stream back: tests/stream/test_stream_reverse_cli.py); Pre-RMSNorm
+    # --to crmsnorm is a forward conversion of a normfold model, in memory
+    assert main(["convert", str(ckpt), "--out", str(tmp_path / "rms"), "-q", "--to", "rmsnorm"]) == 0
     capsys.readouterr()
-    assert main(["convert", str(tmp_path / "rms"), "--to", "rmsnorm", "--out", str(tmp_path / "back"), "-q",
+    assert main(["convert", str(tmp_path / "rms"), "--to", "crmsnorm", "--out", str(tmp_path / "back"), "-q",
                  "--json"]) == 0
     assert not _streamed_notes(capsys)
     mixed = tmp_path / "mixed"

@@ -119,13 +119,11 @@ def test_cli_way_back_catches_a_wrong_tensor(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("what,extra", [
-    ("--to rmsnorm", ["--to", "rmsnorm"]),
     ("option", ["--fold-final"]),
 ])
 def test_what_does_not_stream_back(tmp_path, capsys, what, extra):
     """--stream always refuses (exit 2, one paragraph naming why, nothing written); auto converts in memory."""
-    kw = {"to": "crmsnorm"} if what == "--to rmsnorm" else {}  # Pre-CRMSNorm -> Pre-RMSNorm: in memory
-    _, conv = _rms(tmp_path, "gpt2", "GPT2LMHeadModel", **kw)
+    _, conv = _rms(tmp_path, "gpt2", "GPT2LMHeadModel")
     to = extra if "--to" in extra else ["--to", "layernorm", *extra]
     before = sorted(p.name for p in tmp_path.iterdir())
     code = main(["convert", str(conv), *to, "--out", str(tmp_path / "o"), "--stream", "always", "-q"])
@@ -149,3 +147,147 @@ def test_added_bias_above_the_threshold_is_refused_by_name(tmp_path, capsys, mon
     code = main(["convert", str(rms), "--to", "layernorm", "--out", str(tmp_path / "o"), "--stream", "always", "-q"])
     err = capsys.readouterr().err
     assert code == 2 and "added" in err and not (tmp_path / "o").exists()
+
+
+def _tied_scale_rms(tmp_path, dtype=torch.float32, allow_new_bias=False):
+    """A Pre-RMSNorm GPT-2 whose head stays tied to the centred table and holds the final norm's γ (the final
+    norm's β zeroed in the source, so --fold-final adds no bias; with allow_new_bias the β stays and is added)."""
+    from normfold.adapters.base import get
+
+    example = get_adapter("gpt2").examples[0]
+    src = make_checkpoint(example, "GPT2LMHeadModel", tmp_path / "src", dtype=dtype, shard="20KB")
+    model, _ = normfold.io.load_source(src)
+    if not allow_new_bias:
+        with torch.no_grad():
+            for stream in get_adapter("gpt2").plan(model).streams:
+                for site in stream.norms:
+                    if site.final:
+                        get(model, site.path).bias.zero_()
+    conv, report = normfold.convert(model, to="rmsnorm", verify=False, fold_final=True, allow_new_bias=allow_new_bias)
+    out = tmp_path / "rms"
+    normfold.save(conv, report, out, source_dir=src)
+    (tie,) = report.structure.tied_heads
+    assert tie["scale"] and ("lm_head" in report.structure.added_bias) == allow_new_bias
+    return src, out
+
+
+def _new_way_back_source(tmp_path, family, head, case, dtype=torch.float32):
+    """(normfold checkpoint, --to) for each way back this file tests beyond the plain ones."""
+    if case.startswith("tied"):
+        return _tied_scale_rms(tmp_path, dtype)[1], "layernorm"
+    if case.startswith("rotated"):
+        kind = case.split("-")[1]
+        return _rms(tmp_path, family, head, dtype=dtype, rotate=kind, rotate_seed=3)[1], "layernorm"
+    return _rms(tmp_path, family, head, dtype=dtype, to="crmsnorm", pad="pad" in case)[1], "rmsnorm"
+
+
+@pytest.mark.parametrize("blockwise", [False, True], ids=["in-memory-verify", "blockwise-verify"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("family,head,case", [
+    *[(f, h, c) for f, h in [("gpt2", "GPT2LMHeadModel"), ("opt", "OPTForCausalLM"), ("whisper", None),
+                             ("bloom", "BloomForCausalLM")]
+      for c in ("crmsnorm-to-rmsnorm", "crmsnorm-pad-to-rmsnorm")],
+    ("gpt2", "GPT2LMHeadModel", "tied-scale-to-layernorm"),  # (OPT's: tests/stream/test_stream_reverse.py)
+    ("gpt2", "GPT2LMHeadModel", "rotated-hadamard-to-layernorm"),
+    ("opt", "OPTForCausalLM", "rotated-orthogonal-to-layernorm"),
+    ("vit", None, "rotated-hadamard-to-layernorm"),
+])
+def test_cli_new_ways_back_stream_verify_and_match_every_mode(tmp_path, capsys, monkeypatch, family, head, case,
+                                                             dtype, blockwise):
+    """Pre-CRMSNorm --to rmsnorm and a tied head holding a folded γ --to layernorm stream by default and verify
+    (in memory, or block by block above the threshold); --stream always / auto / never write the same bytes."""
+    from normfold.cli import convert_stream as stream_cli
+
+    if blockwise:
+        monkeypatch.setattr(stream_cli, "VERIFY_IN_MEMORY_BYTES", 0)
+    conv, to = _new_way_back_source(tmp_path, family, head, case, dtype)
+    got = {}
+    for mode in ("always", "auto", "never"):
+        out = tmp_path / f"out-{mode}"
+        code, report = _convert([str(conv), "--to", to, "--out", str(out), "--stream", mode], capsys)
+        assert code == 0 and _streamed(report) == (mode != "never"), mode
+        v = report["verification"]
+        assert v["passed"] is True and v["fp64"]["passed"] is True
+        if mode != "never":
+            assert ("blockwise" in v) == blockwise
+            if blockwise:
+                assert v["blockwise"]["failed_blocks"] == [] and v["blockwise"]["blocks"] > 0
+        assert report["variant"] == to
+        got[mode] = tensors_bytes(out)
+        assert (out / "config.json").read_text() == (tmp_path / "out-always" / "config.json").read_text()
+    assert got["always"] == got["auto"] == got["never"]
+    assert {v[0] for v in got["always"].values()} == {"F32" if dtype == torch.float32 else "BF16"}
+
+
+@pytest.mark.parametrize("blockwise", [False, True], ids=["in-memory-verify", "blockwise-verify"])
+@pytest.mark.parametrize("case,target", [("crmsnorm-to-rmsnorm", "h.1.mlp.c_proj.weight"),
+                                         ("tied-scale-to-layernorm", "lm_head.weight"),
+                                         ("rotated-hadamard-to-layernorm", "h.1.mlp.c_proj.weight")])
+def test_cli_new_ways_back_catch_a_wrong_tensor(tmp_path, capsys, monkeypatch, case, target, blockwise):
+    """A streamed way back that wrote one wrong tensor (a restored writer of the decompression, the untied head
+    (E' + μ1ᵀ)·diag γ, a rotated weight) fails verification, in memory and block by block, and nothing is
+    written."""
+    from safetensors.torch import load_file, save_file
+
+    from normfold.cli import convert_stream as stream_cli
+
+    real = stream_cli.stream_reverse
+
+    def corrupting(source_dir, out_dir, **kw):
+        report = real(source_dir, out_dir, **kw)
+        for f in sorted(Path(out_dir).glob("*.safetensors")):
+            state = load_file(f)
+            name = next((k for k in state if k.endswith(target)), None)
+            if name is not None:
+                state[name] = state[name] * 1.01
+                save_file(state, f, metadata={"format": "pt"})
+                return report
+        raise AssertionError("no tensor to corrupt")
+
+    if blockwise:
+        monkeypatch.setattr(stream_cli, "VERIFY_IN_MEMORY_BYTES", 0)
+    monkeypatch.setattr(stream_cli, "stream_reverse", corrupting)
+    conv, to = _new_way_back_source(tmp_path, "gpt2", "GPT2LMHeadModel", case)
+    code = main(["convert", str(conv), "--to", to, "--out", str(tmp_path / "st"), "-q"])
+    captured = capsys.readouterr()
+    assert code == 1, captured.err
+    assert "verification failed" in captured.err
+    assert not (tmp_path / "st").exists()
+
+
+def test_tied_head_with_an_added_bias_streams_below_the_threshold_only(tmp_path, capsys, monkeypatch):
+    """A tied head holding γ and an added bias streams back (verified in memory: the output loads with
+    normfold.load only); above the in-memory threshold --stream always refuses it by name and auto converts it
+    in memory, with the same bytes."""
+    from normfold.cli import convert_stream as stream_cli
+
+    _, conv = _tied_scale_rms(tmp_path, allow_new_bias=True)
+    code, report = _convert([str(conv), "--to", "layernorm", "--out", str(tmp_path / "st")], capsys)
+    assert code == 0 and _streamed(report) and report["verification"]["passed"] is True
+    assert report["stock_reloadable"] is False
+    monkeypatch.setattr(stream_cli, "VERIFY_IN_MEMORY_BYTES", 0)
+    code = main(["convert", str(conv), "--to", "layernorm", "--out", str(tmp_path / "o"), "--stream", "always", "-q"])
+    err = capsys.readouterr().err
+    assert code == 2 and "added" in err and not (tmp_path / "o").exists()
+    code, mem = _convert([str(conv), "--to", "layernorm", "--out", str(tmp_path / "mem")], capsys)
+    assert code == 0 and not _streamed(mem)
+    assert tensors_bytes(tmp_path / "st") == tensors_bytes(tmp_path / "mem")
+
+
+@pytest.mark.parametrize("stream", ["always", "auto"])
+def test_explicitly_rotated_checkpoint_is_refused_back(tmp_path, capsys, stream):
+    """A stream rotated with explicit x·Q ops (BLOOM's stem) does not convert back (the reverse conversions drop
+    such ops, in memory too): exit 2, one paragraph, nothing written, with --stream always and auto alike."""
+    example = get_adapter("bloom").examples[0]
+    src = make_checkpoint(example, "BloomForCausalLM", tmp_path / "src", shard="20KB")
+    model, _ = normfold.io.load_source(src)
+    conv, report = normfold.convert(model, rotate="hadamard", verify=False)
+    assert report.structure.rotation.get("explicit")
+    normfold.save(conv, report, tmp_path / "rot", source_dir=src)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code = main(["convert", str(tmp_path / "rot"), "--to", "layernorm", "--out", str(tmp_path / "o"),
+                 "--stream", stream, "-q"])
+    err = capsys.readouterr().err
+    assert code == 2 and "explicit / online rotation" in err and "Traceback" not in err
+    assert err.strip().count("\n") == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -3,8 +3,8 @@
 auto (default) streams whenever MODEL is a local directory of safetensors weights that the streamed
 conversion can read (one floating dtype, an adapter's plan, tensors transformers only renames) and no option
 needs the model in memory (`blockers`): whatever its size, since streaming is both faster and smaller than
-loading the model. A Pre-RMSNorm or Pre-CRMSNorm normfold checkpoint `--to layernorm` streams back
-(`stream.reverse`, verified by `verify_reverse`). always streams or says why it cannot; never keeps the
+loading the model. A Pre-RMSNorm or Pre-CRMSNorm normfold checkpoint `--to layernorm` (and a Pre-CRMSNorm one
+`--to rmsnorm`) streams back (`stream.reverse`, verified by `verify_reverse`). always streams or says why it cannot; never keeps the
 in-memory path. The output is written into a temporary directory beside --out, renamed at the end and removed
 on any failure (Ctrl-C included); a lock file `.{name}.lock` beside --out makes a second conversion into the
 same directory fail cleanly.
@@ -73,6 +73,11 @@ def _prepare_reverse(args, source_dir: Path):
     roles swapped (the streamed LayerNorm model as ORIGINAL, read as a stock checkpoint), so above
     VERIFY_IN_MEMORY_BYTES the output must be stock-reloadable (no added biases)."""
     src_report, *_, source = prepare_reverse(source_dir, args.to)
+    if args.to == "rmsnorm" and src_report.structure.tied_heads and source.total_bytes > VERIFY_IN_MEMORY_BYTES:
+        raise StreamUnsupportedError(
+            f"{source_dir} keeps heads tied to centred tables ({', '.join(t['head'] for t in src_report.structure.tied_heads)}): "
+            "its Pre-RMSNorm form loads with normfold.load only, and the block-wise verifier (which checks streamed "
+            f"outputs above {VERIFY_IN_MEMORY_BYTES // 1024**2} MB) reads the decompressed model as a stock checkpoint")
     if src_report.structure.added_bias and source.total_bytes > VERIFY_IN_MEMORY_BYTES:
         raise StreamUnsupportedError(
             f"{source_dir} holds biases the conversion added ({', '.join(src_report.structure.added_bias[:3])}): its "
@@ -292,11 +297,13 @@ def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float 
 
 def verify_reverse(source_dir: Path, out_dir: Path, report, *, fp64_tol: float = 1e-9, seed: int = 0,
                    progress=None) -> None:
-    """Verify a streamed way back (normfold checkpoint -> LayerNorm). Sources up to VERIFY_IN_MEMORY_BYTES: in
-    memory, as the in-memory reverse conversion verifies itself (`compress.reverse.convert_converted`: the
-    source against the output, float64 re-conversion, plus its input-rounding allowance). Larger ones: block
-    by block with the roles swapped: the output (a plain LayerNorm model, stock checkpoint) is ORIGINAL, the
-    normfold source (its structure replayed from normfold.json) is CONVERTED, exactly the pair a forward
+    """Verify a streamed way back (normfold checkpoint -> LayerNorm, or Pre-CRMSNorm -> Pre-RMSNorm). Sources up
+    to VERIFY_IN_MEMORY_BYTES: in memory, as the in-memory reverse conversion verifies itself
+    (`compress.reverse.convert_converted`: the source against the output, float64 re-conversion, plus its
+    input-rounding allowance). Larger ones: block by block with the roles swapped: the output (a plain LayerNorm
+    model, stock checkpoint; a stock-reloadable Pre-RMSNorm output is read as one too: its tensors are those of
+    its LayerNorm form, which computes the same function on its zero-mean stream) is ORIGINAL, the normfold
+    source (its structure replayed from normfold.json) is CONVERTED, exactly the pair a forward
     conversion verifies. Each source block runs on the output's hidden states; streams are compared centred
     (the output's stream carries the tied table's row means again, the source's does not; both models' norms
     centre or are fed centred states), the last d coordinates as they are. Tolerances are `normfold verify`'s
@@ -312,8 +319,11 @@ def verify_reverse(source_dir: Path, out_dir: Path, report, *, fp64_tol: float =
     if source.total_bytes > VERIFY_IN_MEMORY_BYTES:
         from ..stream.blockverify import verify_blockwise
 
+        # a rotated source's way back keeps the rotated basis (to_layernorm changes no stream tensor), so the two
+        # streams compare as they are: no map by Q
         v = verify_blockwise(out_dir, source_dir, seed=seed, progress=progress,
-                             fp64_tol=None if fp64_tol == 1e-9 else fp64_tol)
+                             fp64_tol=None if fp64_tol == 1e-9 else fp64_tol,
+                             same_basis=bool(src_report.structure.rotation))
         v["roles"] = ("reverse conversion checked block by block with the roles swapped: ORIGINAL = the streamed "
                       "LayerNorm output, CONVERTED = the normfold source")
     else:
@@ -324,7 +334,12 @@ def verify_reverse(source_dir: Path, out_dir: Path, report, *, fp64_tol: float =
         centered = tuple(report.centered_outputs) or centered_outputs(adapter.plan(target))
         crms = bool(src_report.structure.compression)  # Pre-CRMSNorm: decompress first; its stream is zero-mean
         rounding = 0.0 if crms else input_rounding(model, inputs, centered)
-        reconvert = (lambda m: to_layernorm(decompress(m)).eval()) if crms else (lambda m: to_layernorm(m).eval())
+        if report.variant == "rmsnorm":  # Pre-CRMSNorm -> Pre-RMSNorm: decompress only
+            reconvert = (lambda m: decompress(m).eval())
+        elif crms:
+            reconvert = (lambda m: to_layernorm(decompress(m)).eval())
+        else:
+            reconvert = (lambda m: to_layernorm(m).eval())
         v = verify_conversion(model, target, inputs, reconvert=reconvert, fp64_tol=fp64_tol + 2 * rounding,
                               centered=centered).to_dict()
         if v.get("fp64") is not None:

@@ -326,7 +326,9 @@ def convert_converted(model: nn.Module, to: str, *, inplace: bool = False, verif
                                                        for m in model.modules()),
                                   structure=copy.deepcopy(structure))
         if to == "layernorm":
-            report.structure = Structure(untied=list(structure.untied))
+            # the biases the forward conversion added stay (normfold.load creates them: their output loads
+            # with it only, stock_reloadable False)
+            report.structure = Structure(untied=list(structure.untied), added_bias=list(structure.added_bias))
             report.stock_reloadable = not structure.added_bias
         else:
             # its Recenters are for normfold's RMSNorms only, as in convert.apply_rmsnorm (stock LN re-centres)

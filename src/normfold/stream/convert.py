@@ -164,16 +164,17 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         raise NormfoldError(f"{out} must be an existing empty directory")
     t0 = time.perf_counter()
     if prepared is None:
-        from .reverse import is_normfold_checkpoint, stream_reverse
+        from .reverse import REVERSE_TARGETS, is_normfold_checkpoint, stream_reverse
 
         target = to if to is not None else (options.to if options is not None else None)
         if is_normfold_checkpoint(source_dir):
             extra = [k for k, v in dict(keep_affine=keep_affine, fold_final=fold_final, allow_new_bias=allow_new_bias,
                                         pad=pad, untie=untie).items() if v]
-            if target != "layernorm" or extra or (options is not None and options.variant_options):
+            if target not in REVERSE_TARGETS or extra or (options is not None and options.variant_options):
                 raise StreamUnsupportedError(
-                    f"{source_dir} is a normfold checkpoint: streaming converts it --to layernorm only, without "
-                    f"options (asked: --to {target}{''.join(' --' + k for k in extra)}); convert it in memory "
+                    f"{source_dir} is a normfold checkpoint: streaming converts it --to layernorm (or, from "
+                    f"Pre-CRMSNorm, --to rmsnorm) only, without options (asked: --to "
+                    f"{target}{''.join(' --' + k for k in extra)}); convert it in memory "
                     "(--stream never, or normfold.load + normfold.convert)")
             return stream_reverse(source_dir, out, to=target, progress=progress)
         prepared = prepare(source_dir, to=to, options=options, keep_affine=keep_affine, fold_final=fold_final,

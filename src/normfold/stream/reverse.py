@@ -1,13 +1,16 @@
 """Streamed reverse conversion (issue 26 item 3): a Pre-RMSNorm (or Pre-CRMSNorm) checkpoint written by normfold
-(normfold.json) back to the stock Pre-LN model, tensor by tensor, with the same bytes as `normfold.load` +
-`normfold.convert(model, to="layernorm")` + `normfold.save`.
+(normfold.json) back to the stock Pre-LN model (`to="layernorm"`), or a Pre-CRMSNorm one to Pre-RMSNorm
+(`to="rmsnorm"`: decompress only), tensor by tensor, with the same bytes as `normfold.load` +
+`normfold.convert(model, to=...)` + `normfold.save`.
 
 Why it streams: `compress.reverse.to_layernorm` changes no tensor but two kinds, each computable on its own:
 
 - every RMSNorm becomes a LayerNorm holding the same γ / β (a byte copy), or ones / zeros where the affine
   was folded away (a fill);
 - a head kept tied to the centred table (nn.TiedHead, no folded γ, no added bias) is tied again: the table
-  becomes E' + μ1ᵀ, computed in float64 and rounded once (elementwise, so row chunks give the same bytes).
+  becomes E' + μ1ᵀ, computed in float64 and rounded once (elementwise, so row chunks give the same bytes);
+  one holding a folded γ or an added bias is untied as `TiedHead.untied_linear` computes it, (E' + μ1ᵀ)·diag γ
+  in float64 over row chunks, rounded once (its bias copied; the table stays E').
 
 Every other tensor is copied file to file; Recenters have no tensors. The structure (output names, dtypes,
 shapes, which tensor is which) comes from `to_layernorm` itself run on the converted model built on the meta
@@ -19,8 +22,14 @@ its tensors are per tensor as well: a writer's d−1 outputs get their last one 
 (not when padded), a tied compressed head becomes the untied (restored table + row means), all as decompress
 computes them.
 
-Not streamed (StreamUnsupportedError; convert in memory): `--to rmsnorm` from Pre-CRMSNorm, a tied head holding
-a folded γ or an added bias (untied as (E' + μ1ᵀ)·diag γ), a rotated model.
+`to="rmsnorm"` from Pre-CRMSNorm runs `decompress` alone on the meta model: the same per-tensor values, and the
+output tensors are `io.export_state_dict`'s (`plan.output_tensors`: folded-away affines as ones / zeros where the
+result is stock-reloadable). A model rotated through its weights (`--rotate`) comes back as in memory:
+`to_layernorm` keeps the rotated basis (no Qᵀ; the stream is zero-mean in it), so its weights are byte copies.
+
+Not streamed (StreamUnsupportedError; convert in memory): any other target or option from a normfold checkpoint
+(a Pre-RMSNorm one `--to rmsnorm` / `--to crmsnorm`), and a stream rotated with explicit / online ops (which the
+in-memory reverse conversions refuse too).
 """
 
 from __future__ import annotations
@@ -37,18 +46,18 @@ from .. import algebra, checkpoint, io
 from ..adapters import find_adapter
 from ..adapters.base import get
 from ..compress.reverse import decompress, restore_last, to_layernorm
-from ..compress.runtime import TiedCompressedHead
+from ..compress.runtime import StreamCRMSNorm, TiedCompressedHead
 from ..errors import NonFiniteWeightsError, NormfoldError
 from ..modelinfo import working_dtype
 from ..nn import RMSNorm, TiedHead
 from ..report import ConversionReport, Structure
 from . import safetensors_io as st
 from .compute import CHUNK_BYTES, row_chunks
-from .plan import OutTensor
+from .plan import OutTensor, output_tensors
 from .source import Source, StreamUnsupportedError, checkpoint_dtype
 from .writer import write_streamed
 
-REVERSE_TARGETS = ("layernorm",)
+REVERSE_TARGETS = ("layernorm", "rmsnorm")
 
 
 def is_normfold_checkpoint(source_dir) -> bool:
@@ -72,11 +81,13 @@ def _open(path: Path, stock: bool) -> Source:
 
 
 class _Tables:
-    """The `derived` outputs of a streamed reverse: each restored tied table E' + μ1ᵀ (float64, rounded once),
-    in row chunks (elementwise: the bytes of one whole-table pass). Duck-types the forward Computer for
-    `writer.write_checkpoint` (no components)."""
+    """The `derived` outputs of a streamed reverse: each restored tied table E' + μ1ᵀ, and each head untied as
+    (E' + μ1ᵀ)·diag γ (`nn.TiedHead.untied_linear`), float64, rounded once, in row chunks (elementwise: the
+    bytes of one whole-table pass). Duck-types the forward Computer for `writer.write_checkpoint` (no
+    components). `tables`: output name -> (table, row means, γ or None), stored names."""
 
-    def __init__(self, source: Source, tables: dict[str, tuple[str, str]], specs: dict[str, tuple] | None = None):
+    def __init__(self, source: Source, tables: dict[str, tuple[str, str, str | None]],
+                 specs: dict[str, tuple] | None = None):
         self.source = source
         self.specs = dict(specs or {})  # output name -> (kind, source names..., args): Pre-CRMSNorm decompression
         self.head_means = {**tables, **self.specs}  # every output computed here (the writer asks by membership)
@@ -91,12 +102,22 @@ class _Tables:
     def derived(self, name: str) -> torch.Tensor:
         if name in self.specs:
             return self._decompressed(*self.specs[name])
-        table_name, mean_name = self.head_means[name]
-        table, mean = self._read(table_name), self._read(mean_name)
-        out = torch.empty_like(table)
-        for a, b in row_chunks(table.shape[0], CHUNK_BYTES // 8 // max(1, table.shape[1])):
-            full = table[a:b].double() + mean[a:b].double()[:, None]
-            out[a:b] = full.to(table.dtype)
+        table_name, mean_name, scale_name = self.head_means[name]
+        mean = self._read(mean_name)
+        scale = self._read(scale_name).double()[None, :] if scale_name is not None else None
+        info = self.source.tensors[table_name]
+        # one table-sized buffer: the stored table is read into it and each row chunk replaced by its result
+        out = torch.empty(tuple(info.shape), dtype=st.TORCH_DTYPES[info.dtype])
+        st.read_into(info.file, info.start, out)
+        for a, b in row_chunks(out.shape[0], CHUNK_BYTES // 8 // max(1, out.shape[1])):
+            rows = out[a:b]
+            if rows.is_floating_point() and not st.all_finite(rows):
+                raise NonFiniteWeightsError(f"tensor {table_name} of {self.source.path} has NaN/inf values; no "
+                                            "conversion of it can be exact. Fix or re-download the checkpoint.")
+            full = rows.double() + mean[a:b].double()[:, None]
+            if scale is not None:  # untied_linear's order: (E' + μ1ᵀ), then ·diag γ
+                full = full * scale
+            rows.copy_(full.to(out.dtype))
         return out
 
     def _decompressed(self, kind: str, src: str, arg, pad: bool = False, mean_src: str | None = None) -> torch.Tensor:
@@ -140,10 +161,11 @@ def prepare_reverse(source_dir: str | os.PathLike, to: str = "layernorm"):
     the weights' headers (a Source)."""
     path = Path(source_dir)
     if to not in REVERSE_TARGETS:
-        raise StreamUnsupportedError(f"streaming converts a normfold checkpoint --to layernorm only; --to {to} from "
-                                     "it needs the in-memory conversion (--stream never, or normfold.convert)")
+        raise StreamUnsupportedError(f"streaming converts a normfold checkpoint --to layernorm (or a Pre-CRMSNorm "
+                                     f"one --to rmsnorm) only; --to {to} from it needs the in-memory conversion "
+                                     "(--stream never, or normfold.convert)")
     if not is_normfold_checkpoint(path):
-        raise StreamUnsupportedError(f"{path} has no {io.REPORT_FILE}: --to layernorm converts a normfold "
+        raise StreamUnsupportedError(f"{path} has no {io.REPORT_FILE}: --to {to} converts a normfold "
                                      "checkpoint back")
     src_report, config, cls, stock, kwargs = io.inspect_converted_kwargs(path)
     structure = src_report.structure
@@ -152,21 +174,24 @@ def prepare_reverse(source_dir: str | os.PathLike, to: str = "layernorm"):
         raise StreamUnsupportedError(
             f"streaming converts a Pre-RMSNorm or Pre-CRMSNorm checkpoint back to LayerNorm; this one is "
             f"{src_report.variant}: convert it in memory (--stream never, or normfold.load + normfold.convert)")
-    if structure.rotation:
-        raise StreamUnsupportedError("a rotated checkpoint is converted back in memory (--stream never)")
-    for tie in structure.tied_heads:
-        if tie.get("scale") or tie["head"] in structure.added_bias:
-            raise StreamUnsupportedError(
-                f"the tied head {tie['head']} holds a folded norm scale or an added bias: it is untied as "
-                "(E' + mean)·diag(scale), which streaming does not compute; convert it in memory (--stream never)")
+    if to == "rmsnorm" and not crms:
+        raise StreamUnsupportedError(f"{path} already is a Pre-RMSNorm checkpoint: --to rmsnorm streams the way "
+                                     "back from Pre-CRMSNorm only; convert it in memory (--stream never) to be "
+                                     "told what it can become")
+    if structure.rotation and (structure.rotation.get("explicit") or structure.rotation.get("online")):
+        raise StreamUnsupportedError(
+            "this checkpoint's stream is rotated with explicit / online rotation ops (normfold.json "
+            "structure.rotation), which the reverse conversions do not carry over: convert the original LayerNorm "
+            "model instead (in memory, --stream never, says so too)")
     return src_report, config, cls, stock, kwargs, _open(path, stock)
 
 
 def stream_reverse(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *, to: str = "layernorm",
                    progress=None) -> ConversionReport:
-    """A Pre-RMSNorm or Pre-CRMSNorm checkpoint written by normfold, streamed back to the stock Pre-LN model in
-    `out_dir` (an existing empty directory): the same tensors as the in-memory reverse conversion. Verification is
-    not run here (the report says so; the CLI runs `normfold.cli.convert_stream.verify_reverse`)."""
+    """A Pre-RMSNorm or Pre-CRMSNorm checkpoint written by normfold, streamed back in `out_dir` (an existing
+    empty directory): `to="layernorm"` the stock Pre-LN model, `to="rmsnorm"` (Pre-CRMSNorm only) the
+    decompressed Pre-RMSNorm normfold checkpoint; the same tensors as the in-memory reverse conversion.
+    Verification is not run here (the report says so; the CLI runs `normfold.cli.convert_stream.verify_reverse`)."""
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     path = Path(source_dir)
@@ -185,6 +210,7 @@ def stream_reverse(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     for name, t in state.items():
         if name in source.tensors:
             stored.setdefault(id(t), name)
+    by_name = {name: stored[id(t)] for name, t in state.items() if id(t) in stored}
     norm_src: dict[str, str] = {}  # LayerNorm output name -> the RMSNorm tensor it copies
     for name, m in model.named_modules():
         if type(m) is RMSNorm:
@@ -192,15 +218,24 @@ def stream_reverse(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                 p = getattr(m, leaf, None)
                 if p is not None:
                     norm_src[f"{name}.{leaf}"] = stored[id(p)]
-    restored: dict[int, str] = {}  # table parameter id -> the head's mean (stored name)
+    # nn.TiedHead (untie_heads): retied (the table gets its row means back: E' + μ1ᵀ) where it holds no folded γ
+    # and no added bias, else untied: the head becomes (E' + μ1ᵀ)·diag γ (+ its bias, a copy), the table stays E'
+    restored: dict[int, tuple[str, str, None]] = {}  # table parameter id -> (table, mean, None), stored names
+    untied: dict[str, tuple[str, str, str | None]] = {}  # untied head weight -> (table, mean, γ or None)
     for name, m in model.named_modules():
-        if isinstance(m, TiedHead):
-            restored[id(m._table.weight)] = stored[id(m.mean)]
+        if not isinstance(m, TiedHead):
+            continue
+        table, mean = stored[id(m._table.weight)], stored[id(m.mean)]
+        if m.scale is None and name not in structure.added_bias:
+            restored[id(m._table.weight)] = (table, mean, None)
+        else:
+            untied[f"{name}.weight"] = (table, mean, None if m.scale is None else stored[id(m.scale)])
+            if m.bias is not None:
+                by_name[f"{name}.bias"] = stored[id(m.bias)]  # untied_linear copies it into a new Linear
     comp = structure.compression
     specs: dict[str, tuple] = {}  # Pre-CRMSNorm: output name -> how decompress computes it
     if comp:
         pad = bool(comp.get("pad"))
-        by_name = {name: stored[id(t)] for name, t in state.items() if id(t) in stored}
         for tie in comp.get("tied_heads", []):
             head = get(model, tie["head"])
             if isinstance(head, TiedCompressedHead):
@@ -211,61 +246,30 @@ def stream_reverse(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             for name, in_dim in comp.get("reader_params", {}).items():
                 specs.setdefault(name, ("reader", by_name[name], in_dim))
         norm_src = {}  # decompress makes new RMSNorms (same names): their tensors are copied by name, below
-    steps = ["decompress", "layernorm"] if comp else ["layernorm"]
+    steps = (["decompress"] if comp else []) + (["layernorm"] if to == "layernorm" else [])
 
     from ..sizes import measure, size_report
 
+    layernorms_total = sum(isinstance(m, (nn.LayerNorm, RMSNorm, StreamCRMSNorm)) for m in model.modules())
     model.normfold_report = copy.deepcopy(src_report)  # measure reads a compressed stream's width from it
     before = measure(model)
     ln = model  # decompress / to_layernorm in place on the meta model: the structure of the in-memory result
     with torch.device("meta"):  # new modules on meta too (their values: copies, fills and `specs`, below)
         if comp:
             decompress(ln)
-        to_layernorm(ln)
-    lnstate = ln.state_dict(keep_vars=True)
-    outputs: list[OutTensor] = []
-    names: dict[str, str] = {}
-    tables: dict[str, tuple[str, str]] = {}
-    groups: dict[int, list[str]] = {}
-    for name, t in lnstate.items():
-        if t.numel():
-            groups.setdefault(id(t), []).append(name)
-    keep = io.saved_names(list(groups.values()), io.retied_names(ln))  # as io.save picks them
-    for name, t in lnstate.items():
-        if t.numel() and name not in keep:
-            continue
-        if name in specs:
-            outputs.append(OutTensor(name, t.dtype, tuple(t.shape)))
-        elif name in norm_src:
-            outputs.append(OutTensor(name, t.dtype, tuple(t.shape)))
-            names[name] = norm_src[name]
-        elif id(t) in restored:
-            outputs.append(OutTensor(name, t.dtype, tuple(t.shape)))
-            tables[name] = (stored[id(t)], restored[id(t)])
-        elif id(t) in stored:
-            outputs.append(OutTensor(name, t.dtype, tuple(t.shape)))
-            names[name] = stored[id(t)]
-        elif comp and name in by_name:  # a module decompress made anew (a CRMSNorm's γ / β): copied by name
-            outputs.append(OutTensor(name, t.dtype, tuple(t.shape)))
-            names[name] = by_name[name]
-        elif isinstance(get(ln, name.rpartition(".")[0]), nn.LayerNorm):
-            # a LayerNorm affine the RMSNorm did not hold: ones / zeros, as to_layernorm fills it
-            outputs.append(OutTensor(name, t.dtype, tuple(t.shape), 1.0 if name.endswith(".weight") else 0.0))
-        else:
-            raise NormfoldError(f"internal: {name} of the Pre-LN model has no tensor in {path}")
-    for o in outputs:
-        src = names.get(o.name) or tables.get(o.name, (None,))[0]
-        if src is not None:
-            info = source.tensors[src]
-            if st.TORCH_DTYPES.get(info.dtype) != o.dtype or tuple(info.shape) != o.shape:
-                raise StreamUnsupportedError(f"{src} is stored as {info.dtype}{list(info.shape)} but the model "
-                                             f"holds {o.name} as {o.dtype}{list(o.shape)}; convert it in memory")
+        if to == "layernorm":
+            to_layernorm(ln)
+    done = ln.normfold_report.structure  # as the in-memory steps left it (untie_heads adds to `untied`)
 
+    # the report, as compress.reverse.convert_converted writes it
     report = ConversionReport(variant=to, adapter=adapter.name, architecture=type(ln).__name__,
                               dtype=str(working_dtype(ln)).replace("torch.", ""),
-                              layernorms_total=sum(isinstance(m, nn.LayerNorm) for m in ln.modules()),
-                              structure=Structure(untied=list(structure.untied)))
-    report.stock_reloadable = not structure.added_bias
+                              layernorms_total=layernorms_total, structure=copy.deepcopy(done))
+    if to == "layernorm":
+        report.structure = Structure(untied=list(done.untied), added_bias=list(done.added_bias))
+        report.stock_reloadable = not structure.added_bias
+    else:  # its Recenters are for normfold's RMSNorms only (stock LN re-centres)
+        report.stock_reloadable = not (done.added_bias or done.tied_heads)
     report.centered_outputs = list(src_report.centered_outputs)
     report.size = size_report(before, ln)
     report.notes.append(f"reverse conversion (paper 001 App. C) from a {src_report.variant} model: "
@@ -273,7 +277,56 @@ def stream_reverse(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     report.notes.append("converted shard by shard from the safetensors files (normfold.stream)")
     if src_report.source:
         report.source = dict(src_report.source)
-    say(f"{type(ln).__name__}, {dtype}, {len(source.shards)} shard(s): {src_report.variant} -> layernorm")
+
+    lnstate = ln.state_dict(keep_vars=True)
+    if to == "layernorm":
+        groups: dict[int, list[str]] = {}
+        for name, t in lnstate.items():
+            if t.numel():
+                groups.setdefault(id(t), []).append(name)
+        keep = io.saved_names(list(groups.values()), io.retied_names(ln))  # as io.save picks them
+        wanted = [OutTensor(name, t.dtype, tuple(t.shape)) for name, t in lnstate.items()
+                  if not t.numel() or name in keep]
+    else:  # a normfold Pre-RMSNorm checkpoint: io.export_state_dict's tensors (fills where stock-reloadable)
+        wanted = output_tensors(ln, report)
+    outputs: list[OutTensor] = []
+    names: dict[str, str] = {}
+    tables: dict[str, tuple[str, str, str | None]] = {}
+    for o in wanted:
+        name = o.name
+        t = lnstate.get(name)
+        if o.fill is not None:
+            outputs.append(o)
+        elif name in specs:
+            outputs.append(o)
+        elif name in untied:
+            outputs.append(o)
+            tables[name] = untied[name]
+        elif name in norm_src:
+            outputs.append(o)
+            names[name] = norm_src[name]
+        elif id(t) in restored:
+            outputs.append(o)
+            tables[name] = restored[id(t)]
+        elif id(t) in stored:
+            outputs.append(o)
+            names[name] = stored[id(t)]
+        elif name in by_name:  # a module made anew (a CRMSNorm's γ / β, an untied head's bias): copied by name
+            outputs.append(o)
+            names[name] = by_name[name]
+        elif isinstance(get(ln, name.rpartition(".")[0]), nn.LayerNorm):
+            # a LayerNorm affine the RMSNorm did not hold: ones / zeros, as to_layernorm fills it
+            outputs.append(OutTensor(name, o.dtype, o.shape, 1.0 if name.endswith(".weight") else 0.0))
+        else:
+            raise NormfoldError(f"internal: {name} of the {to} model has no tensor in {path}")
+    for o in outputs:
+        src = names.get(o.name) or tables.get(o.name, (None,))[0]
+        if src is not None:
+            info = source.tensors[src]
+            if st.TORCH_DTYPES.get(info.dtype) != o.dtype or tuple(info.shape) != o.shape:
+                raise StreamUnsupportedError(f"{src} is stored as {info.dtype}{list(info.shape)} but the model "
+                                             f"holds {o.name} as {o.dtype}{list(o.shape)}; convert it in memory")
+    say(f"{type(ln).__name__}, {dtype}, {len(source.shards)} shard(s): {src_report.variant} -> {to}")
 
     placed = {**tables, **{k: (v[1],) for k, v in specs.items()}}
     files = _assign_files(source, report, outputs, names, placed)
