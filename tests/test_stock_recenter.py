@@ -138,6 +138,47 @@ def test_streamed_recenter_form_is_stock_reloadable(tmp_path):
         assert rel_err(stock(ids).logits, exact) <= 4 * base + 64 * torch.finfo(torch.float32).eps
 
 
+# ---- the analysis' plan (--auto): its Recenters are stock-safe for the same reason ----------------------------
+
+# (family, example, head): the analysis puts a Recenter after a kept tie's table (GPT-2, OPT, Whisper, BERT), after
+# a norm on the stream (BLOOM's word_embeddings_layernorm, CLIP's pre_layrnorm, mBART's layernorm_embedding), or both
+AUTO = [("gpt2", "tied", "GPT2LMHeadModel"), ("opt", "pre-ln", "OPTForCausalLM"), ("bloom", "tied", "BloomModel"),
+        ("bloom", "tied", "BloomForCausalLM"), ("bloom", "untied-eps6-tp2", "BloomForCausalLM"),
+        ("clip", "vision", "CLIPVisionModel"), ("whisper", "d32", "WhisperForConditionalGeneration"),
+        ("mbart", "d32-scaled", "MBartForConditionalGeneration"), ("bert", "base", "BertForMaskedLM")]
+
+
+@pytest.mark.parametrize("family,example,head", AUTO, ids=["-".join(c) for c in AUTO])
+def test_auto_plan_with_recenters_is_stock_reloadable(family, example, head, tmp_path):
+    """`normfold.convert(model, auto=True)` (`normfold convert --auto`): the plan derived from the graph, with its
+    Recenters, is stock-reloadable like the adapter's: stock transformers loads model.safetensors with no
+    normfold module or hook and computes the original's outputs (the raw stream up to a per-token constant), a
+    kept tie one tensor holding the original table; normfold.load re-attaches the Recenters."""
+    adapter = next(a for a in list_adapters() if a.name == family)
+    model = build(next(e for e in adapter.examples if e.name == example), head)
+    inputs = adapter.example_inputs(model, torch.Generator().manual_seed(0))
+    conv, report = normfold.convert(model, auto=True, inputs=inputs)
+    assert report.adapter == "analysis" and report.verification["passed"]
+    s = report.structure
+    assert s.recenter_after or s.recenter_before
+    assert report.stock_reloadable and report.to_dict()["reload"]["stock_transformers"] is True
+    out = normfold.save(conv, report, tmp_path / "out")
+    assert (out / "model.safetensors").is_file() and not (out / "normfold_model.safetensors").exists()
+    stock = getattr(transformers, head).from_pretrained(out, dtype=torch.float64).eval()
+    assert not any(type(m).__module__.startswith("normfold") for m in stock.modules())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in stock.modules())
+    for h, t in _tied(model):
+        assert stock.get_submodule(h).weight is stock.get_submodule(t).weight
+        assert torch.equal(stock.get_submodule(t).weight, model.get_submodule(t).weight)
+    ref, got = run_flat(model, inputs), run_flat(stock, inputs)
+    assert set(got) == set(ref)
+    _assert_outputs_match(got, ref, report.centered_outputs)
+    loaded = normfold.load(out, fast=False)
+    want = run_flat(conv, inputs)
+    for name, value in run_flat(loaded, inputs).items():
+        assert rel_err(value, want[name]) <= 1e-12, name
+
+
 # ---- where a stock load would not compute the original: kept not stock-reloadable, and why -------------------
 
 def _gpt2():
@@ -194,10 +235,12 @@ def test_keep_affine_recenter_form_is_stock_reloadable_too(family, head, tmp_pat
 
 
 @pytest.mark.parametrize("family,head", [("gpt2", "GPT2LMHeadModel"), ("whisper", "WhisperForConditionalGeneration"),
-                                         ("bloom", "BloomForCausalLM")])
+                                         ("bloom", "BloomForCausalLM"), ("mbart", "MBartForConditionalGeneration"),
+                                         ("bart", "BartForConditionalGeneration")])
 def test_pre_crmsnorm_back_to_rmsnorm_is_stock_reloadable(family, head, tmp_path):
     """--to rmsnorm from a Pre-CRMSNorm model: its compression points become Recenters again, which a stock
-    load does without, so that checkpoint is stock-reloadable like a direct conversion."""
+    load does without, so that checkpoint is stock-reloadable like a direct conversion (mBART's kept tie: the
+    d-wide Recenter on its embedding norm's input stays one, beside the one its compress op becomes)."""
     a = next(x for x in list_adapters() if x.name == family)
     model = build(a.examples[0], head)
     inputs = a.example_inputs(model, torch.Generator().manual_seed(0))

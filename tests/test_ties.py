@@ -503,8 +503,8 @@ def test_tied_head_gradients_match_the_untied_product():
 def test_back_to_layernorm_restores_the_stock_tie_and_crmsnorm_keeps_it(family, example, head, tmp_path):
     """--to layernorm from a tied Pre-RMSNorm model: the table gets its row means back and the head is the
     stock tied Linear again (every reader of the Pre-LN stream ignores the per-token constant), so plain
-    transformers reloads it with the original's size. --to crmsnorm from it keeps the tie on the
-    compressed table."""
+    transformers reloads it with the original's size. --to crmsnorm from it keeps the tie: the original table
+    where the family's entry is registered (compress.convert.TIE_ENTRY: all three), else the compressed one."""
     adapter, ex = _example(family, example)
     model = build(ex, head, torch.float64)
     inputs = adapter.example_inputs(model, torch.Generator().manual_seed(0))
@@ -526,8 +526,6 @@ def test_back_to_layernorm_restores_the_stock_tie_and_crmsnorm_keeps_it(family, 
     for name in ref:
         if "logits" in name:
             assert rel_err(again[name], ref[name]) <= 1e-9, name
-    if family == "roberta":
-        return  # Post-LN: the MLM head reads a kept LayerNorm, not the stream; crmsnorm ties only stream heads
     crms, creport = normfold.convert(rms, to="crmsnorm", verify=False)
     if family in TIE_ENTRY:  # the original table, the stream compressed after the summed embeddings
         assert creport.structure.compression["tied_heads"] == [] and type(crms.get_submodule(h)) is nn.Linear

@@ -46,6 +46,9 @@ class Variant:
     # keep_ties(model, plan, options, tables) -> the plan rewritten (`recentre_tied_tables` calls it with the
     # tied tables a head reads unchanged). None: the variant unties them (or keeps the tie its own way).
     keep_ties: Callable[[nn.Module, ConversionPlan, ConvertOptions, list[str]], ConversionPlan] | None = None
+    # keep_ties also for tables tied to each other with no head reading them (BartModel's `shared` handed to
+    # the encoder and the decoder): a variant whose untied tables would not be re-tied otherwise (crmsnorm).
+    keep_shared_tables: bool = False
 
 
 VARIANTS: dict[str, Variant] = {}
@@ -413,9 +416,10 @@ def apply_rmsnorm(model: nn.Module, plan: ConversionPlan, options: ConvertOption
 
 # ---- tied embedding / head: the table stays the original, its output is re-centred ------------------------
 
-def _tied_tables(model: nn.Module, plan: ConversionPlan, options: ConvertOptions) -> list[str]:
+def _tied_tables(model: nn.Module, plan: ConversionPlan, options: ConvertOptions, shared: bool = False) -> list[str]:
     """The paths of the centred embedding tables of `plan` that share their
-    weight with a plain linear head the conversion leaves as it is (not folded into, not scaled). Decided
+    weight with a plain linear head the conversion leaves as it is (not folded into, not scaled), or, with
+    `shared`, with another embedding table only (no head). Decided
     from the plan, the options and parameter identity only (no values: meta models too)."""
     writers = {w for st in plan.streams for w in st.writers}
     edited = {r for st in plan.streams for site in st.norms if will_fold(site, options) for r in site.readers}
@@ -438,7 +442,7 @@ def _tied_tables(model: nn.Module, plan: ConversionPlan, options: ConvertOptions
             else:
                 ok = False
         centred = [t for t in tables if t in writers]
-        if ok and heads and centred:
+        if ok and (heads or (shared and len(tables) > 1)) and centred:
             out += [t for t in centred if t not in out]
     return out
 
@@ -456,7 +460,7 @@ def recentre_tied_tables(model: nn.Module, plan: ConversionPlan, options: Conver
     variant = VARIANTS.get(options.to or "rmsnorm")
     if options.untie or variant is None or variant.keep_ties is None:
         return plan
-    moved = _tied_tables(model, plan, options)
+    moved = _tied_tables(model, plan, options, shared=variant.keep_shared_tables)
     if not moved:
         return plan
     return variant.keep_ties(model, plan, options, moved)

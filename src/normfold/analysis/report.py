@@ -143,8 +143,11 @@ class AnalysisReport:
                          f"to 1: {_short_list([s for _, s in scales], 2)}")
         if tied:
             notes.append(f"tied parameters untied so the writers can be centred: {', '.join(tied)}")
+        # Stock-reloadable with its Recenters too: the analysis puts one only where the shift walk proved that a
+        # per-token constant added to that output reaches norms (LayerNorms again in a stock load, which ignore
+        # it: LN(x) = LN(x − c)) and stream outputs only (returned up to that constant: centered_outputs), the
+        # condition an adapter's plan states for its own Recenters (tests/test_stock_recenter.py checks both).
         return ConversionPlan(adapter="analysis", streams=streams, kept=kept, notes=notes,
-                              stock_reloadable=not recenters,
                               centered_outputs=[_escape(o) for o in self.stream_outputs])
 
     def to_adapter(self) -> Adapter:

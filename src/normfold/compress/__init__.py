@@ -19,7 +19,7 @@ register_structure_part("compression", apply_compression)  # normfold.load rebui
 register_variant(Variant(
     "crmsnorm", "Pre-LN -> Pre-CRMSNorm: zero-mean stream compressed to d-1 coordinates, LayerNorm -> CRMSNorm "
     "(exact; --pad keeps d with a zero last coordinate)", apply_crmsnorm, takes_options=True,
-    keep_ties=keep_ties_compressed))
+    keep_ties=keep_ties_compressed, keep_shared_tables=True))
 
 
 

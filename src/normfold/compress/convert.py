@@ -13,12 +13,15 @@ Per residual stream of the adapter's plan (all algebra float64, each tensor roun
    (`algebra.compress_reader`); a norm that keeps γ/β (final norms: their output is a model output;
    norms whose readers have no bias to take β) returns the decompressed d-wide γ⊙n + β and its
    readers are unchanged;
-5. tied parameters: where the family's entry block is known (`TIE_ENTRY`, unpadded), a tied table stays
-   the original d-wide tensor shared with the stock head: the embedding writers (the table and what is
-   summed with it) leave the writers and the stream is recentred and compressed on the entry block's
-   input (`keep_ties_compressed`); the final norm returns the d-wide γ⊙n + β, so the logits are the
-   original GEMM. Elsewhere the rmsnorm step untied every edited tensor (centring wte unties it from
-   lm_head) and `retie_heads` ties the head to the compressed table (`TiedCompressedHead`).
+5. tied parameters: where the family's entry is known (`TIE_ENTRY`: per stream, the first block or the
+   embedding norm; unpadded), a tied table stays the original d-wide tensor shared with the stock head
+   and every other embedding holding it (an encoder-decoder's encoder and decoder): the embedding
+   writers (the table and what is summed with it) leave the writers and each stream is recentred and
+   compressed on its entry's input (`keep_ties_compressed`; d-wide Recenter only where the entry is a
+   norm ahead of the compression point, mBART's layernorm_embedding); the final norm returns the d-wide
+   γ⊙n + β, so the logits are the original GEMM. Elsewhere (--pad) the rmsnorm step untied every edited
+   tensor (centring wte unties it from lm_head) and `retie_heads` ties the head to the compressed table
+   (`TiedCompressedHead`).
 
 Padded mode (`variant_options={"pad": True}`, `--pad`): shapes stay d; the dropped coordinate is
 zero instead (writers' last output row and bias entry, readers' last input column).
@@ -64,43 +67,75 @@ WIDTH_AT_EMBEDDINGS: dict[str, tuple[str, str]] = {
 }
 
 
-# The block on whose input the summed embeddings become the stream (path relative to the base model), per
-# adapter: a tied table is kept there in the original (`keep_ties_compressed`). A family enters once its tests
-# do (tests/test_ties_crms.py); the others keep the TiedCompressedHead form.
-# the first block's path under the base model, per family: where the summed embeddings enter the blocks
-TIE_ENTRY: dict[str, str] = {"gpt2": "h.0", "gpt_neo": "h.0", "gpt_bigcode": "h.0", "falcon": "h.0",
-                             "opt": "decoder.layers.0", "gpt_neox": "layers.0", "phi": "layers.0"}
+# Where the summed embeddings of a stream holding a tied table enter what reads them (path relative to the base
+# model), per adapter: a tied table is kept there in the original (`keep_ties_compressed`). A plain path is the
+# entry of the family's one token stream; a dict maps stream names to entries (an encoder-decoder's shared table
+# feeds the encoder's and the decoder's embeddings: each stream gets its own entry). The entry is the first
+# block (decoder-only Pre-LN models, the Whisper decoder) or the embedding norm (BART / mBART's
+# layernorm_embedding, the BERT family's embeddings.LayerNorm: Post-LN models whose stream the embedding norm
+# ends, and mBART, where that norm is ahead of the compression point and its input gets a d-wide Recenter).
+# A family enters once its tests do (tests/test_ties_crms.py); the others keep the TiedCompressedHead form.
+_EMBED_NORM = "embeddings.LayerNorm"
+_SEQ2SEQ = {"encoder": "encoder.layernorm_embedding", "decoder": "decoder.layernorm_embedding"}
+TIE_ENTRY: dict[str, str | dict[str, str]] = {
+    "gpt2": "h.0", "gpt_neo": "h.0", "gpt_bigcode": "h.0", "falcon": "h.0", "opt": "decoder.layers.0",
+    "gpt_neox": "layers.0", "phi": "layers.0", "whisper": {"decoder": "decoder.layers.0"},
+    "bart": _SEQ2SEQ, "mbart": _SEQ2SEQ,
+    "bert": _EMBED_NORM, "roberta": _EMBED_NORM, "distilbert": _EMBED_NORM, "electra": _EMBED_NORM}
+
+
+def tie_entry(adapter: str, stream: str) -> str | None:
+    """The entry of stream `stream` of family `adapter` (relative to the base model), or None."""
+    entry = TIE_ENTRY.get(adapter)
+    return entry.get(stream) if isinstance(entry, dict) else entry
 
 
 def keep_ties_compressed(model: nn.Module, plan: ConversionPlan, options, moved: list[str]) -> ConversionPlan:
-    """crmsnorm's `Variant.keep_ties` (see `convert.recentre_tied_tables`): the stream holding a tied table
-    `moved` is compressed where the summed embeddings enter the first block (a recentre-and-compress op on
-    its input: `recenter_before`, which `compress` turns into `compress_before`), so the embedding tables
+    """crmsnorm's `Variant.keep_ties` (see `convert.recentre_tied_tables`): each stream holding a tied table
+    `moved` is compressed where its summed embeddings enter what reads them (a recentre-and-compress op on the
+    entry's input: `recenter_before`, which `compress` turns into `compress_before`), so the embedding tables
     summed before it stay d-wide and as they are: the tied table is the original tensor shared with the stock
-    head, and the position table is not edited either (the op recentres the sum). Padded mode, or a family
-    without a known entry block, keeps the plan (the TiedCompressedHead form)."""
+    head, and the position table is not edited either (the op recentres the sum; an embedding scale such as
+    BART's embed_scale acts before it). Where the entry is a norm ahead of the stream's compression point
+    (mBART's layernorm_embedding, compressed on its output), the op on its input is a d-wide Recenter instead.
+    Padded mode, or a family or stream without a known entry, keeps the plan (the TiedCompressedHead form, or
+    the untied one)."""
     from ..report import TIE_NOTE
 
     opts = options.target_options() if hasattr(options, "target_options") else dict(options.variant_options or {})
     if opts.get("pad") or plan.adapter not in TIE_ENTRY:
         return plan
-    entry = join(base_prefix(model), TIE_ENTRY[plan.adapter])
-    streams, done = [], []
+    holding = [st for st in plan.streams if any(t in st.writers for t in moved)]
+    if any(tie_entry(plan.adapter, st.name) is None for st in holding):
+        return plan  # a stream without a known entry: the tie cannot be kept in every stream it feeds
+    streams, done, compressed, recentred = [], [], [], []
     for st in plan.streams:
-        if not any(t in st.writers for t in moved):
+        if st not in holding:
             streams.append(st)
             continue
-        embeds = [w for w in st.writers if not _BLOCK.search(w)]  # summed before the entry block
+        entry = join(base_prefix(model), tie_entry(plan.adapter, st.name))
+        embeds = [w for w in st.writers if not _BLOCK.search(w)]  # summed before the entry
         streams.append(dataclasses.replace(st, writers=[w for w in st.writers if w not in embeds],
                                            recenter_before=list(st.recenter_before) + [entry]))
+        (recentred if entry in st.recenter_after else compressed).append(entry)
         done += [t for t in moved if t in st.writers]
     plan = copy.copy(plan)
     plan.streams = streams
+    # the adapter's notes that assumed centred tables (post_ln: "... is tied to ...; centring it unties them",
+    # inputs_embeds as rows of the centred table) no longer hold: the tables are not edited, the op recentres
+    plan.notes = [n for n in plan.notes if not any(n.startswith(f"{t} is tied to ") for t in done)
+                  and not n.startswith("inputs_embeds passed by the caller must be rows of the (centred)")]
+    where = []
+    if compressed:
+        where.append(f"the stream is recentred and compressed to d−1 on the input of {', '.join(compressed)}")
+    if recentred:
+        where.append(f"the input of {', '.join(recentred)} (a norm ahead of the compression point, compressed on "
+                     "its output) is recentred d-wide")
     plan.notes = list(plan.notes) + [
-        f"{TIE_NOTE}: the table stays the original (uncentred, d-wide) tensor shared with the stock head "
-        f"({', '.join(done)}); the stream is recentred and compressed to d−1 on the input of {entry}, after the "
-        "summed embeddings, so the embedding tables are not edited, and the final norm returns the d-wide "
-        "output: the logits are the original GEMM, no correction term, no extra parameter"]
+        f"{TIE_NOTE}: the table stays the original (uncentred, d-wide) tensor shared with the stock head and "
+        f"every embedding tied to it ({', '.join(done)}); {'; '.join(where)}, after the summed embeddings, so the "
+        "embedding tables are not edited, and the final norm returns the d-wide output: the logits are the original "
+        "GEMM, no correction term, no extra parameter"]
     return plan
 
 
@@ -234,12 +269,15 @@ def compress(model: nn.Module, plan: ConversionPlan, report, pad: bool = False) 
             add_output_compress(get(model, path), pad)
             after.append(path)
         for path in stream.recenter_before:
+            if path in pre_norms:
+                continue  # a norm ahead of the compression point: its input Recenter stays d-wide (mBART's kept tie)
             add_input_compress(get(model, path), pad)
             before.append(path)
         streams.append({"name": stream.name, "width_before": d, "width_after": d if pad else d - 1,
                         "writers_compressed": len(writers), "norms_compressed_output": n_compressed,
                         "norms_decompressed_output": n_decompressed,
-                        "compression_point": (stream.recenter_after or stream.recenter_before or ["writers"])[0]})
+                        "compression_point": (stream.recenter_after or [p for p in stream.recenter_before
+                                                                        if p not in pre_norms] or ["writers"])[0]})
     widen, narrow = [], []
     spec = WIDTH_AT_EMBEDDINGS.get(plan.adapter)
     # a stream compressed on the entry block's input (a kept tie) is d-wide at the embeddings already

@@ -186,17 +186,22 @@ def _in_hook_pad(module, args, kwargs):
     return _in_hook(True)(module, args, kwargs)
 
 
-def remove_recenter_hooks(module: nn.Module) -> None:
+def remove_recenter_hooks(module: nn.Module, side: str = "both") -> None:
     """Drop normfold's Recenter hooks from `module` (by function, not by handle: handles of a deep
-    copy could point at the original's hook dicts)."""
+    copy could point at the original's hook dicts). `side`: "output" (the Recenter after it), "input"
+    (the one before it) or "both". A compress op replaces the Recenter on its own side only: mBART's
+    embedding norm keeps the d-wide Recenter on its input (a kept tie) under the compress op on its output."""
     from ..nn import hooks
 
+    funcs = {"output": (hooks._recenter_output,), "input": (hooks._recenter_input,),
+             "both": (hooks._recenter_output, hooks._recenter_input)}[side]
+    marks = {"output": (hooks._MARK,), "input": (hooks._INPUT_MARK,), "both": (hooks._MARK, hooks._INPUT_MARK)}[side]
     for d in (module._forward_hooks, module._forward_pre_hooks):
-        for key in [k for k, f in d.items() if f in (hooks._recenter_output, hooks._recenter_input)]:
+        for key in [k for k, f in d.items() if f in funcs]:
             del d[key]
             module._forward_hooks_with_kwargs.pop(key, None)
             module._forward_pre_hooks_with_kwargs.pop(key, None)
-    for mark in (hooks._MARK, hooks._INPUT_MARK):
+    for mark in marks:
         if getattr(module, mark, None) is not None:
             setattr(module, mark, None)
 
@@ -214,13 +219,13 @@ def remove_compress_hooks(module: nn.Module) -> None:
 
 
 def add_output_compress(module: nn.Module, pad: bool) -> None:
-    remove_recenter_hooks(module)
+    remove_recenter_hooks(module, "output")
     if getattr(module, _COMPRESS_MARK, None) is None:
         setattr(module, _COMPRESS_MARK, module.register_forward_hook(_out_hook_pad if pad else _out_hook_compress))
 
 
 def add_input_compress(module: nn.Module, pad: bool) -> None:
-    remove_recenter_hooks(module)
+    remove_recenter_hooks(module, "input")
     if getattr(module, _COMPRESS_INPUT_MARK, None) is None:
         setattr(module, _COMPRESS_INPUT_MARK, module.register_forward_pre_hook(
             _in_hook_pad if pad else _in_hook_compress, with_kwargs=True))
