@@ -26,7 +26,8 @@ and a writer thread, `writer.write_checkpoint`), and freed tensor memory is reus
 `--stream auto` streams whenever it succeeds.
 
 `rotate="hadamard"|"orthogonal"` streams too (`stream/rotation.py`: each component in float64 from read to one
-rounding, the in-memory rotation's own functions; the same bytes), except models rotated through explicit hooks.
+rounding, the in-memory rotation's own functions; the same bytes), explicit rotation hooks included (recorded in the
+structure as the in-memory rotation records them); `--rotate-online` does not.
 
 The parts: `source` (the checkpoint's headers, the meta model, tensor names), `plan` (edits, components, output
 tensors and files), `compute` (one component's values), `writer` (files written, overlapped with reading and

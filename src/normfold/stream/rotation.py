@@ -12,9 +12,13 @@ table, a vocabulary head) runs over that tensor's row blocks (`algebra.rotation.
 in-memory rotation multiplies by Q), so float64 is only ever one block of it; its other outputs must come out
 the same from every block (checked).
 
-Not streamed (StreamUnsupportedError, the CLI's `--stream auto` converts in memory): streams the in-memory
-rotation rotates through an explicit x ← x·Q hook (a stem recentred explicitly: BLOOM, CLIP, Whisper; a final
-norm no head reads), and `--rotate-online`.
+Streams the in-memory rotation rotates through an explicit x ← x·Q hook (a stem recentred explicitly: BLOOM's
+word_embeddings_layernorm, CLIP's pre_layrnorm, mBART's layernorm_embedding, the input of Whisper's first encoder
+layer; a final norm no head reads, which keeps γ/β and reads x·Qᵀ) stream too: the hooks hold no weights (Q is a
+non-persistent buffer rebuilt from kind + seed), the structure pass records them in structure.rotation["explicit"]
+exactly as the in-memory rotation does (it is that code, on meta tensors), the stem's tensors are left unrotated
+(`rotate.stream_tensor_names` skips them) and the final norm's γ/β are kept (`targets` reads which norms from the
+record). Not streamed (StreamUnsupportedError, the CLI's `--stream auto` converts in memory): `--rotate-online`.
 """
 
 from __future__ import annotations
@@ -35,38 +39,20 @@ from .source import StreamUnsupportedError
 
 BLOCK_ABOVE = 64 * 1024**2  # float64 bytes of a component above which its largest tensor runs in row blocks
 
-EXPLICIT = ("the in-memory rotation rotates {what} with an explicit x ← x·Q hook (structure.rotation[\"explicit\"], "
-            "replayed by normfold.load), not through the weights; the streamed conversion writes weights only, and the "
-            "block-wise verifier does not map hidden states through such hooks. Convert in memory (--stream never or "
-            "auto, or normfold.convert(model, rotate=...))")
-
-
 def variant(options):
     """The rotating rmsnorm variant of `options` (what normfold.convert builds for rotate=...)."""
     return rotating_variant(VARIANTS[options.to], options.rotate, options.rotate_seed, options.keep_affine, False)
 
 
 def check_plan(plan) -> None:
-    """Refuse, before anything is written, the streams the in-memory rotation rotates explicitly."""
+    """Refuse, before anything is written, what the in-memory rotation refuses to place (`rotate.rotation_points`:
+    a Recenter that does not start its stream)."""
     from ..rotate import rotation_points
 
     try:
-        points = rotation_points(plan)
+        rotation_points(plan)
     except UnsupportedConversionError as exc:
         raise StreamUnsupportedError(str(exc)) from exc
-    for stream, pts in zip(plan.streams, points):
-        where = list(pts.after) + list(pts.before)
-        if where:
-            raise StreamUnsupportedError(
-                f"--rotate does not stream this model: stream {stream.name!r} is recentred explicitly at "
-                f"{', '.join(where)} (its stem is not linear), so "
-                + EXPLICIT.format(what="its output there"))
-        bare = [s.path for s in stream.norms if s.final and not s.readers]
-        if bare:
-            raise StreamUnsupportedError(
-                f"--rotate does not stream this model: the final norm {', '.join(bare)} is read by no head (the "
-                "model's output is the stream itself), so it keeps γ/β and "
-                + EXPLICIT.format(what="its input back (x·Qᵀ)"))
 
 
 def targets(model: nn.Module, plan, report) -> dict[str, tuple[int, bool, int]]:
@@ -75,8 +61,11 @@ def targets(model: nn.Module, plan, report) -> dict[str, tuple[int, bool, int]]:
     from ..rotate import rotation_points, stream_tensor_names
 
     widths = [s["width"] for s in report.structure.rotation["streams"]]
+    # the final norms no head reads keep γ/β and read x·Qᵀ (the in-memory rotation's record of them)
+    back = {e["path"] for e in report.structure.rotation.get("explicit", []) if e.get("transpose")}
     out: dict[str, tuple[int, bool, int]] = {}
     for stream, pts, d in zip(plan.streams, rotation_points(plan), widths):
+        pts.unrotate = [s.path for s in stream.norms if s.path in back]
         for name, axis, writer in stream_tensor_names(model, stream, pts):
             if name in out and out[name][2] != d:
                 raise StreamUnsupportedError(f"{name} is shared by streams of widths {out[name][2]} and {d}")
