@@ -2,8 +2,8 @@
 (`normfold.convert(rotate=...)` + `normfold.save`), whole components or a large table in row blocks, and its
 output passes the block-wise verifier, which maps the original's stream by Q; a wrong rotated tensor fails it,
 with its block named. Streams the in-memory rotation rotates through explicit hooks (BLOOM, Whisper, CLIP
-vision, mBART stems; a final norm no head reads) stream too, their hooks replayed by the verifier;
-`--rotate-online` is refused."""
+vision, mBART stems; a final norm no head reads) and `--rotate-online` (online Hadamard ops on the MLP
+down-projections' input) stream too, their hooks replayed by the verifier."""
 
 from __future__ import annotations
 
@@ -28,13 +28,13 @@ def _source(tmp_path, family, head, dtype=torch.float32, example=None):
     return src
 
 
-def _both(tmp_path, family, head, kind, dtype=torch.float32, seed=0, example=None):
+def _both(tmp_path, family, head, kind, dtype=torch.float32, seed=0, example=None, online=False):
     src = _source(tmp_path, family, head, dtype, example)
     model, _ = normfold.io.load_source(src)
-    conv, mem_report = normfold.convert(model, verify=False, rotate=kind, rotate_seed=seed)
+    conv, mem_report = normfold.convert(model, verify=False, rotate=kind, rotate_seed=seed, rotate_online=online)
     normfold.save(conv, mem_report, tmp_path / "mem", source_dir=src)
     (tmp_path / "st").mkdir()
-    report = stream_convert(src, tmp_path / "st", rotate=kind, rotate_seed=seed)
+    report = stream_convert(src, tmp_path / "st", rotate=kind, rotate_seed=seed, rotate_online=online or None)
     return src, mem_report, report
 
 
@@ -141,12 +141,108 @@ def test_streamed_explicit_rotation_loads_like_in_memory(tmp_path):
     assert float((y - o).abs().max() / o.abs().max()) < 1e-5
 
 
-def test_rotate_online_is_refused(tmp_path):
+# (family, head, example): --rotate-online, weights rotated through (GPT-2's Conv1D, OPT, GPT-NeoX) and with
+# explicit hooks (BLOOM's stem, Whisper's first encoder block, ...)
+ONLINE = [("gpt2", "GPT2LMHeadModel", None), ("opt", "OPTForCausalLM", None), ("gpt_neox", "GPTNeoXForCausalLM", None),
+          ("bloom", "BloomForCausalLM", "tied"), ("whisper", "WhisperForConditionalGeneration", "d32"),
+          ("vit", "ViTForImageClassification", None)]
+ONLINE_IDS = [f"{h}" for _, h, _ in ONLINE]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("family,head,example", ONLINE, ids=ONLINE_IDS)
+def test_rotate_online_streams_equal_to_in_memory(tmp_path, family, head, example, kind):
+    """Each down-projection, rotated by Q along its stream axis, is multiplied by H/√n along its input axis in the
+    same float64 values before the one rounding, as rotate.add_online_hadamard does: the same bytes; the same
+    structure.rotation["online"] record (normfold.load replays the ops), one normfold_model.safetensors."""
+    _, mem_report, report = _both(tmp_path, family, head, kind, seed=3, example=example, online=True)
+    _assert_same(tmp_path, mem_report, report)
+    assert report.structure.rotation["online"] and not report.stock_reloadable
+    assert [f.name for f in weight_files(tmp_path / "st")] == ["normfold_model.safetensors"]
+
+
+@pytest.mark.parametrize("family,head,example", ONLINE[::3], ids=ONLINE_IDS[::3])
+def test_rotate_online_bfloat16(tmp_path, family, head, example):
+    _, mem_report, report = _both(tmp_path, family, head, "orthogonal", dtype=torch.bfloat16, example=example,
+                                  online=True)
+    _assert_same(tmp_path, mem_report, report)
+    assert {v[0] for v in tensors_bytes(tmp_path / "st").values()} == {"BF16"}
+
+
+def test_rotate_online_row_blocks_equal_in_memory(tmp_path, monkeypatch):
+    """Tiny row blocks: the down-projections (H mixes what are rows of GPT-2's Conv1D weight) are never split,
+    the rest runs block by block; same bytes."""
+    import importlib
+
+    from normfold.algebra import rotation as algebra_rotation
+    from normfold.stream import rotation as stream_rotation
+
+    monkeypatch.setattr(stream_rotation, "BLOCK_ABOVE", 0)
+    monkeypatch.setattr(algebra_rotation, "ROW_BLOCK_BYTES", 1000)
+    monkeypatch.setattr(importlib.import_module("normfold.convert"), "CENTER_CHUNK_BYTES", 1000)
+    _, mem_report, report = _both(tmp_path, "gpt2", "GPT2LMHeadModel", "hadamard", example="untied-inv-idx",
+                                  online=True)
+    _assert_same(tmp_path, mem_report, report)
+
+
+def test_streamed_rotate_online_loads_like_in_memory(tmp_path):
+    from normfold.adapters import example_inputs
+
+    src, _, _ = _both(tmp_path, "gpt2", "GPT2LMHeadModel", "hadamard", online=True)
+    a, b = normfold.load(tmp_path / "mem"), normfold.load(tmp_path / "st")
+    original, _ = normfold.io.load_source(src)
+    inputs = example_inputs(original, torch.Generator().manual_seed(0), seq=16)
+    with torch.no_grad():
+        x, y, o = a(**inputs).logits, b(**inputs).logits, original(**inputs).logits
+    assert torch.equal(x, y)
+    assert float((y - o).abs().max() / o.abs().max()) < 1e-5
+
+
+def test_rotate_online_without_rotate_is_refused(tmp_path):
     src = _source(tmp_path, "bloom", "BloomForCausalLM")
     (tmp_path / "out").mkdir()
-    with pytest.raises(StreamUnsupportedError, match="rotate-online"):
-        stream_convert(src, tmp_path / "out", rotate="hadamard", options=normfold.ConvertOptions(rotate_online=True))
+    with pytest.raises(StreamUnsupportedError, match="--rotate-online needs --rotate"):
+        stream_convert(src, tmp_path / "out", options=normfold.ConvertOptions(rotate_online=True))
     assert not any((tmp_path / "out").iterdir())
+
+
+# per ONLINE entry: a block and its down-projection (checkpoint key, input axis)
+ONLINE_BLOCKS = {"GPT2LMHeadModel": ("transformer.h.1", "transformer.h.1.mlp.c_proj.weight", 0),
+                 "OPTForCausalLM": ("model.decoder.layers.0", "model.decoder.layers.0.fc2.weight", 1),
+                 "GPTNeoXForCausalLM": ("gpt_neox.layers.1", "gpt_neox.layers.1.mlp.dense_4h_to_h.weight", 1),
+                 "BloomForCausalLM": ("transformer.h.0", "transformer.h.0.mlp.dense_4h_to_h.weight", 1),
+                 "WhisperForConditionalGeneration": ("model.decoder.layers.1", "model.decoder.layers.1.fc2.weight", 1),
+                 "ViTForImageClassification": ("vit.layers.1", "vit.layers.1.mlp.fc2.weight", 1)}
+
+
+@pytest.mark.parametrize("family,head,example", ONLINE, ids=ONLINE_IDS)
+def test_rotate_online_passes_blockwise_and_a_wrong_tensor_fails(tmp_path, family, head, example):
+    """The verifier's skeleton replays the online Hadamard ops (they act inside a block: its stream input and
+    output need no mapping of their own): the streamed output passes; one down-projection multiplied by H/√n
+    once more along its input axis (its online rotation applied twice) fails, and its block alone is named."""
+    from normfold.algebra import rotate_axis
+    from normfold.ops.hadamard import hadamard_matrix
+    from normfold.stream.blockverify import verify_blockwise
+
+    from test_blockverify import _rewrite
+
+    src = _source(tmp_path, family, head, example=example)
+    (tmp_path / "st").mkdir()
+    stream_convert(src, tmp_path / "st", rotate="hadamard", rotate_seed=1, rotate_online=True)
+    good = verify_blockwise(src, tmp_path / "st")
+    assert good["passed"] and good["working"]["passed"], good["fp64"]
+    assert all(b["passed"] for b in good["fp64"]["blocks"] + good["fp64"]["embeddings"] + good["fp64"]["heads"])
+    bad_block, key, axis = ONLINE_BLOCKS[head]
+    assert bad_block in [b["name"] for b in good["fp64"]["blocks"]]
+
+    def again(t):
+        n = t.shape[axis]
+        return rotate_axis(t, hadamard_matrix(n) / n ** 0.5, axis)
+
+    _rewrite(tmp_path / "st", key, again)
+    bad = verify_blockwise(src, tmp_path / "st")
+    assert not bad["passed"] and not bad["fp64"]["passed"]
+    assert bad["blockwise"]["failed_blocks"] == [bad_block]
 
 
 # a block's MLP writer and its stream axis
@@ -189,16 +285,19 @@ def test_streamed_rotation_passes_blockwise_and_a_wrong_tensor_fails(tmp_path, f
     assert bad["blockwise"]["failed_blocks"] == [bad_block]
 
 
-CLI_SOURCES = {"gpt2": ("gpt2", "GPT2LMHeadModel", None), "bloom-stem": ("bloom", "BloomForCausalLM", "tied"),
-               "whisper-first-block": ("whisper", "WhisperForConditionalGeneration", "d32"),
-               "clip-vision-stem-final": ("clip", "CLIPVisionModel", "vision")}
+CLI_SOURCES = {"gpt2": ("gpt2", "GPT2LMHeadModel", None, []), "bloom-stem": ("bloom", "BloomForCausalLM", "tied", []),
+               "whisper-first-block": ("whisper", "WhisperForConditionalGeneration", "d32", []),
+               "clip-vision-stem-final": ("clip", "CLIPVisionModel", "vision", []),
+               "gpt2-online": ("gpt2", "GPT2LMHeadModel", None, ["--rotate-online"]),
+               "bloom-stem-online": ("bloom", "BloomForCausalLM", "tied", ["--rotate-online"])}
 
 
 @pytest.mark.parametrize("case", list(CLI_SOURCES))
 @pytest.mark.parametrize("verify_in_memory", [True, False], ids=["verified-in-memory", "verified-blockwise"])
 def test_cli_streams_rotation_verified_and_equal_to_never(tmp_path, capsys, monkeypatch, verify_in_memory, case):
-    """`normfold convert SRC --rotate hadamard` streams by default (auto) and with always, explicit hooks
-    included; verified in memory (small sources) or block by block, passing; the same tensors as `--stream never`."""
+    """`normfold convert SRC --rotate hadamard` streams by default (auto) and with always, explicit hooks and
+    --rotate-online included; verified in memory (small sources) or block by block, passing; the same tensors as
+    `--stream never`."""
     import json
 
     from normfold.cli import convert_stream as stream_cli
@@ -206,11 +305,11 @@ def test_cli_streams_rotation_verified_and_equal_to_never(tmp_path, capsys, monk
 
     if not verify_in_memory:
         monkeypatch.setattr(stream_cli, "VERIFY_IN_MEMORY_BYTES", 0)
-    family, head, example = CLI_SOURCES[case]
+    family, head, example, extra = CLI_SOURCES[case]
     src = _source(tmp_path, family, head, example=example)
     for mode, out in (("auto", "auto"), ("always", "always"), ("never", "never")):
         assert main(["convert", str(src), "--out", str(tmp_path / out), "--stream", mode, "-q", "--json",
-                     "--rotate", "hadamard", "--rotate-seed", "2"]) == 0
+                     "--rotate", "hadamard", "--rotate-seed", "2", *extra]) == 0
         report = json.loads(capsys.readouterr().out)
         v = report["verification"]
         assert v["passed"] is True and v["fp64"]["passed"] is True
@@ -218,24 +317,21 @@ def test_cli_streams_rotation_verified_and_equal_to_never(tmp_path, capsys, monk
         assert ("blockwise" in v) == (mode != "never" and not verify_in_memory)
         assert report["structure"]["rotation"]["seed"] == 2
         assert bool(report["structure"]["rotation"].get("explicit")) == (family != "gpt2")
+        assert bool(report["structure"]["rotation"].get("online")) == bool(extra)
     assert tensors_bytes(tmp_path / "auto") == tensors_bytes(tmp_path / "never") == tensors_bytes(tmp_path / "always")
 
 
-def test_cli_rotate_online_refused_with_always_and_in_memory_with_auto(tmp_path, capsys):
-    import json
-
+def test_cli_rotate_online_without_rotate_exits_2_in_every_mode(tmp_path, capsys):
+    """--rotate-online alone: always and auto exit 2 with one paragraph naming it, and write nothing."""
     from normfold.cli import main
 
-    src = _source(tmp_path, "bloom", "BloomForCausalLM")
-    flags = ["--rotate", "hadamard", "--rotate-online"]
-    code = main(["convert", str(src), "--out", str(tmp_path / "o"), "--stream", "always", "-q", *flags])
-    err = capsys.readouterr().err
-    assert code == 2 and "--rotate-online" in err and "Traceback" not in err and err.strip().count("\n") == 0
-    assert not (tmp_path / "o").exists()
-    assert main(["convert", str(src), "--out", str(tmp_path / "m"), "-q", "--json", *flags]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert "normfold.stream" not in " ".join(report["notes"]) and report["verification"]["passed"] is True
-    assert report["structure"]["rotation"]["explicit"] and report["structure"]["rotation"]["online"]
+    src = _source(tmp_path, "gpt2", "GPT2LMHeadModel")
+    for mode in ("always", "auto"):
+        code = main(["convert", str(src), "--out", str(tmp_path / mode), "--stream", mode, "-q", "--rotate-online"])
+        err = capsys.readouterr().err
+        assert code == 2 and "--rotate-online needs --rotate" in err and "Traceback" not in err
+        assert err.strip().count("\n") == 0
+        assert not (tmp_path / mode).exists()
 
 
 @pytest.mark.parametrize("family,head,example", [("opt", "OPTForCausalLM", None), ("bloom", "BloomForCausalLM", "tied"),

@@ -18,7 +18,13 @@ layer; a final norm no head reads, which keeps γ/β and reads x·Qᵀ) stream t
 non-persistent buffer rebuilt from kind + seed), the structure pass records them in structure.rotation["explicit"]
 exactly as the in-memory rotation does (it is that code, on meta tensors), the stem's tensors are left unrotated
 (`rotate.stream_tensor_names` skips them) and the final norm's γ/β are kept (`targets` reads which norms from the
-record). Not streamed (StreamUnsupportedError, the CLI's `--stream auto` converts in memory): `--rotate-online`.
+record).
+
+`--rotate-online` streams too: the structure pass records the down-projections (structure.rotation["online"]) as the
+in-memory rotation does, and each of their weights, once rotated by Q along its stream axis, is multiplied by H/√n
+along its input axis in the same float64 values before the one rounding (`online_targets`; the order and the
+function, `algebra.rotate_axis`, of `rotate.add_online_hadamard`). Such a weight is never split into row blocks:
+H mixes what would be its rows in GPT-2's Conv1D layout.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from ..algebra import rotate_axis
 from ..algebra.rotation import row_blocks
 from ..convert import VARIANTS, center_writer_at, rotating_variant
 from ..errors import NormfoldError, UnsupportedConversionError
+from ..ops.hadamard import hadamard_matrix
 from .compute import Computer, batches
 from .plan import Component
 from .source import StreamUnsupportedError
@@ -40,8 +47,9 @@ from .source import StreamUnsupportedError
 BLOCK_ABOVE = 64 * 1024**2  # float64 bytes of a component above which its largest tensor runs in row blocks
 
 def variant(options):
-    """The rotating rmsnorm variant of `options` (what normfold.convert builds for rotate=...)."""
-    return rotating_variant(VARIANTS[options.to], options.rotate, options.rotate_seed, options.keep_affine, False)
+    """The rotating rmsnorm variant of `options` (what normfold.convert builds for rotate=..., rotate_online=...)."""
+    return rotating_variant(VARIANTS[options.to], options.rotate, options.rotate_seed, options.keep_affine,
+                            bool(options.rotate_online))
 
 
 def check_plan(plan) -> None:
@@ -73,6 +81,18 @@ def targets(model: nn.Module, plan, report) -> dict[str, tuple[int, bool, int]]:
     return out
 
 
+def online_targets(model: nn.Module, report) -> dict[str, int]:
+    """{weight name: input axis} of the down-projections the in-memory rotation gives an online Hadamard
+    (structure.rotation["online"], recorded by the structure pass on `model`)."""
+    from ..algebra import layout_of
+
+    out = {}
+    for path in (report.structure.rotation or {}).get("online", []):
+        lay = layout_of(get(model, path))
+        out[f"{path}.{lay.weight}"] = lay.in_dim
+    return out
+
+
 def _module_of(name: str, modules: set[str]) -> bool:
     return name in modules or name.rpartition(".")[0] in modules
 
@@ -80,16 +100,18 @@ def _module_of(name: str, modules: set[str]) -> bool:
 class RotatingComputer(Computer):
     """Computer whose components run in float64 from read to one rounding, rotated (see the module docstring)."""
 
-    def __init__(self, model, plan, options, source, names, rotated: dict, qs: dict, outputs):
+    def __init__(self, model, plan, options, source, names, rotated: dict, qs: dict, outputs,
+                 online: dict | None = None):
         super().__init__(model, plan, options, source, names)
-        self.rotated, self.qs = rotated, qs
+        self.rotated, self.qs, self.online = rotated, qs, dict(online or {})
         self.dtypes = {o.name: o.dtype for o in outputs}
         self.shapes = {o.name: tuple(o.shape) for o in outputs}
 
     def check_owned(self, comps: list[Component]) -> None:
         """Every rotated tensor is computed by some component (else it would be copied unrotated)."""
-        owned = [n for n in self.rotated if any(n in c.params or _module_of(n, set(c.modules)) for c in comps)]
-        missing = sorted(set(self.rotated) - set(owned))
+        wanted = set(self.rotated) | set(self.online)
+        owned = [n for n in wanted if any(n in c.params or _module_of(n, set(c.modules)) for c in comps)]
+        missing = sorted(wanted - set(owned))
         if missing:
             raise StreamUnsupportedError(f"--rotate does not stream this model: {', '.join(missing[:3])} would be "
                                          "rotated but no edit of the streamed plan computes it; convert in memory")
@@ -131,7 +153,7 @@ class RotatingComputer(Computer):
         t = tensors[name]
         spec = self.rotated.get(name)
         module = name.rpartition(".")[0]
-        if (spec is None or t.dim() != 2 or spec[0] not in (1, -1) or not t.is_contiguous()
+        if (spec is None or name in self.online or t.dim() != 2 or spec[0] not in (1, -1) or not t.is_contiguous()
                 or any(n.rpartition(".")[0] == module for n in tensors if n != name)):
             return None  # not row-separable (a bias beside it takes β·W by rows): whole, in float64 (same bytes)
         return name
@@ -186,5 +208,10 @@ class RotatingComputer(Computer):
                 if name in comp.params or _module_of(name, modules):
                     p = get(self.model, name)
                     p.copy_(rotate_axis(p, self.qs[d], axis, center=writer))
+            for name, axis in self.online.items():  # after the stream rotation, as rotate.add_online_hadamard
+                if name in comp.params or _module_of(name, modules):
+                    p = get(self.model, name)
+                    n = int(p.shape[axis])
+                    p.copy_(rotate_axis(p, hadamard_matrix(n) / n ** 0.5, axis))
         return {k: get(self.model, k).detach() for k in keys}
 
