@@ -104,6 +104,7 @@ class RotatingComputer(Computer):
                  online: dict | None = None):
         super().__init__(model, plan, options, source, names)
         self.rotated, self.qs, self.online = rotated, qs, dict(online or {})
+        self.hs: dict[int, torch.Tensor] = {}  # n -> H/√n (float64), built once: see `_hadamard`
         self.dtypes = {o.name: o.dtype for o in outputs}
         self.shapes = {o.name: tuple(o.shape) for o in outputs}
 
@@ -188,6 +189,15 @@ class RotatingComputer(Computer):
                                         "(--stream never)")
         return {**first, big: table} if big in keys else first
 
+    def _hadamard(self, n: int) -> torch.Tensor:
+        """H/√n as rotate.add_online_hadamard computes it (`hadamard_matrix(n) / n ** 0.5`, float64: the same Q
+        `rotate_axis` multiplies by), kept for the next down-projection: building it per layer took ~2.5 × its
+        size transiently (the doubling's copies and the division; at n = 4096 that was the conversion's peak,
+        1068 MiB against 786 MiB without --rotate-online on a 0.5 GB BLOOM, loaded machine) and its time."""
+        if n not in self.hs:
+            self.hs[n] = hadamard_matrix(n) / n ** 0.5
+        return self.hs[n]
+
     def _once(self, comp: Component, keys: list[str], params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         from ..rotate import fold_kept_gamma
 
@@ -211,7 +221,6 @@ class RotatingComputer(Computer):
             for name, axis in self.online.items():  # after the stream rotation, as rotate.add_online_hadamard
                 if name in comp.params or _module_of(name, modules):
                     p = get(self.model, name)
-                    n = int(p.shape[axis])
-                    p.copy_(rotate_axis(p, hadamard_matrix(n) / n ** 0.5, axis))
+                    p.copy_(rotate_axis(p, self._hadamard(int(p.shape[axis])), axis))
         return {k: get(self.model, k).detach() for k in keys}
 
