@@ -46,19 +46,18 @@ def test_always_refuses_what_needs_memory(ckpt, tmp_path, capsys):
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("flag", [["--rotate", "orthogonal", "--rotate-online"]])
-def test_rotation_is_refused_by_name_and_converts_in_memory(ckpt, tmp_path, capsys, flag):
-    """Issue 26 item 3: --rotate streams (tests/stream/test_stream_rotate.py), --rotate-online does not. always:
-    exit 2, one paragraph saying why, nothing written; auto: the in-memory rotation (verified) runs instead."""
-    code = main(["convert", str(ckpt), "--out", str(tmp_path / "o"), "--stream", "always", "-q", *flag])
-    err = capsys.readouterr().err
-    assert code == 2 and "--rotate-online" in err and "not streamed" in err and "Traceback" not in err
-    assert err.strip().count("\n") == 0
-    assert not any(tmp_path.iterdir())
-    assert main(["convert", str(ckpt), "--out", str(tmp_path / "m"), "-q", "--json", *flag]) == 0
+@pytest.mark.parametrize("stream", ["auto", "always"])
+def test_rotation_online_streams(ckpt, tmp_path, capsys, stream):
+    """Issue 26 item 3: --rotate and --rotate-online stream (tests/stream/test_stream_rotate.py: bytes, block-wise
+    verification); auto and always both stream, verified, with `--stream never`'s tensors."""
+    flag = ["--rotate", "orthogonal", "--rotate-online"]
+    assert main(["convert", str(ckpt), "--out", str(tmp_path / "s"), "--stream", stream, "-q", "--json", *flag]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert "normfold.stream" not in " ".join(report["notes"]) and report["verification"]["passed"] is True
-    assert report["structure"]["rotation"]["kind"] == flag[1]
+    assert "normfold.stream" in " ".join(report["notes"]) and report["verification"]["passed"] is True
+    assert report["structure"]["rotation"]["kind"] == "orthogonal" and report["structure"]["rotation"]["online"]
+    assert main(["convert", str(ckpt), "--out", str(tmp_path / "m"), "--stream", "never", "-q", "--json", *flag]) == 0
+    assert "normfold.stream" not in " ".join(json.loads(capsys.readouterr().out)["notes"])
+    assert tensors_bytes(tmp_path / "s") == tensors_bytes(tmp_path / "m")
 
 
 def _streamed_notes(capsys) -> bool:

@@ -127,10 +127,10 @@ def add_parser(sub) -> None:
     p.add_argument("--stream", choices=["auto", "always", "never"], default="auto",
                    help="convert a safetensors checkpoint shard by shard in bounded memory, verified block by "
                         "block above 256 MB: auto (default) whenever MODEL is a local directory of safetensors "
-                        "weights that can stream: --to rmsnorm, --to crmsnorm (--pad), --rotate (streams its "
-                        "weights rotate; models rotated through explicit hooks, e.g. BLOOM, CLIP, Whisper, in "
-                        "memory), and a Pre-RMSNorm or Pre-CRMSNorm normfold checkpoint --to layernorm (the way "
-                        "back); in memory when an option needs the model (--rotate-online, --inputs, --text, "
+                        "weights that can stream: --to rmsnorm, --to crmsnorm (--pad), --rotate (--rotate-online, "
+                        "explicit rotation hooks: BLOOM, CLIP, Whisper, ...), and a Pre-RMSNorm or Pre-CRMSNorm "
+                        "normfold checkpoint --to layernorm (the way "
+                        "back); in memory when an option needs the model (--inputs, --text, "
                         "--auto, --option, --dry-run, --dtype, --to un), for Pre-CRMSNorm checkpoints --to "
                         "rmsnorm, and for sources streaming cannot read; "
                         "always = stream or exit 2 saying why; never = in memory (docs/large-checkpoints.md)")

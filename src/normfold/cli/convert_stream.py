@@ -53,9 +53,6 @@ def blockers(args) -> list[str]:
                      ("--option", args.option), ("--dry-run", args.dry_run)):
         if on:
             why.append(f"{flag} needs the in-memory model")
-    if getattr(args, "rotate_online", False):
-        why.append("--rotate-online is not streamed (its online Hadamard ops need normfold.load, and the block-wise "
-                   "verifier does not run them)")
     if args.dtype not in ("auto", None):
         why.append("--dtype other than auto (streaming keeps the checkpoint's dtype)")
     if not args.out and not args.dry_run:
@@ -89,7 +86,8 @@ def _prepare_reverse(args, source_dir: Path):
 def _prepare(args, source_dir: Path):
     return prepare(source_dir, to=args.to, keep_affine=args.keep_affine, fold_final=args.fold_final,
                    allow_new_bias=args.allow_new_bias, pad=args.pad, untie=getattr(args, "untie", False),
-                   rotate=getattr(args, "rotate", None), rotate_seed=getattr(args, "rotate_seed", None))
+                   rotate=getattr(args, "rotate", None), rotate_seed=getattr(args, "rotate_seed", None),
+                   rotate_online=getattr(args, "rotate_online", None) or None)
 
 
 def maybe_stream(args, summarize=None) -> int | None:
@@ -279,7 +277,8 @@ def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float 
             options = ConvertOptions(to=report.variant, keep_affine=keep_affine, fold_final=fold_final,
                                      allow_new_bias=allow_new_bias, pad=pad, untie=untie)
         else:
-            variant = rotating_variant(variant, rotate, options.rotate_seed, options.keep_affine, False)
+            variant = rotating_variant(variant, rotate, options.rotate_seed, options.keep_affine,
+                                       bool(options.rotate_online))
 
         def reconvert(m):
             scratch = ConversionReport(variant=report.variant, adapter=adapter.name, architecture="", dtype="",

@@ -81,7 +81,8 @@ def run(args) -> int:
             from ..rotate import unrotate_outputs
 
             output_map = unrotate_outputs(rotation, centered)
-            skip = ("last_hidden_state", "hidden_states[-1]")
+            # every stack's final norm (an encoder's too: encoder_last_hidden_state), as normfold.convert skips
+            skip = ("*last_hidden_state", "*hidden_states[-1]")
     else:
         converted, _ = io.load_source(args.converted, trust_remote_code=args.trust_remote_code)
         centered = CENTERED_OUTPUTS

@@ -119,12 +119,14 @@ def register_structure_part(field_name: str, apply: Callable[[nn.Module, object]
     STRUCTURE_PARTS[field_name] = apply
 
 
-def apply_structure(model: nn.Module, structure: Structure) -> nn.Module:
+def apply_structure(model: nn.Module, structure: Structure, *, real_rotations: bool = False) -> nn.Module:
     """Rebuild normfold's modules on a stock model: swap the recorded norms (taking their values from
     the loaded LayerNorms), re-attach Recenter ops and create added biases.
 
     The structure is validated first (`validate_structure`: paths through the module tree only, widths);
-    nothing is changed when it does not fit the model."""
+    nothing is changed when it does not fit the model. `real_rotations`: the explicit rotations' Q are
+    built for real, in float64, even when the model's parameters are on the meta device (block-wise
+    verification's skeletons: parameters loaded per unit, buffers real, cast to each pass's dtype)."""
     from ..adapters.base import submodule
 
     validate_structure(model, structure)
@@ -147,7 +149,7 @@ def apply_structure(model: nn.Module, structure: Structure) -> nn.Module:
                                                        device=module.weight.device))
         apply_tied_heads(model, structure.tied_heads)
         if structure.rotation:
-            _apply_rotation_hooks(model, structure.rotation)
+            _apply_rotation_hooks(model, structure.rotation, real_rotations)
         for path in structure.rotation.get("online", []) if structure.rotation else []:  # online Hadamard inputs
             from ..algebra import layout_of
             from ..nn.online import add_input_hadamard
@@ -172,8 +174,9 @@ def apply_structure(model: nn.Module, structure: Structure) -> nn.Module:
     return model
 
 
-def _apply_rotation_hooks(model: nn.Module, rotation: dict) -> None:
-    """The explicit stream rotations of a rotated checkpoint (normfold.rotate), Q rebuilt from kind + seed."""
+def _apply_rotation_hooks(model: nn.Module, rotation: dict, real: bool = False) -> None:
+    """The explicit stream rotations of a rotated checkpoint (normfold.rotate), Q rebuilt from kind + seed (in
+    the parameters' dtype; `real`: float64, also on a meta model)."""
     from ..algebra import rotation_matrix
     from ..nn.online import add_input_rotation, add_output_rotation
 
@@ -191,14 +194,16 @@ def _apply_rotation_hooks(model: nn.Module, rotation: dict) -> None:
                 raise ValueError(f"width {width} is not the width of any norm of this model")
             module = modules[str(e["path"])]
             ref = next(iter(model.parameters()), None)
-            if ref is not None and ref.is_meta:  # checking a report against the config's meta model: shapes only
+            if ref is not None and ref.is_meta and not real:  # checking a report against the config's meta
+                # model: shapes only
                 q = torch.empty(width, width, device="meta")
             else:
                 with torch.device("cpu"):
                     q, _ = rotation_matrix(str(rotation["kind"]), width, int(rotation.get("seed", 0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"normfold.json: bad explicit rotation entry {e!r}: {exc}") from None
-        q = (q.T if e.get("transpose") else q).contiguous().to(ref.dtype if ref is not None else torch.float32)
+        dtype = torch.float64 if real else ref.dtype if ref is not None else torch.float32
+        q = (q.T if e.get("transpose") else q).contiguous().to(dtype)
         if e.get("where") == "output":
             add_output_rotation(module, q)
         elif e.get("where") == "input":

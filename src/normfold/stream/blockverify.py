@@ -92,6 +92,7 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     say = timer.say
 
     rotation, unrotate = ({}, None) if same_basis else _rotation(report, centered)
+    raw_in = frozenset() if same_basis else _raw_input_blocks(report)
     if rotation:  # every final norm's output lacks its γ/β (they are in the heads), as the in-memory check skips
         skip = tuple(skip) + ("*last_hidden_state", "*hidden_states[-1]")
     o_read, c_read = CheckpointReader(original_dir), CheckpointReader(converted_dir)
@@ -120,7 +121,7 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
         track.start(timer.step, _pass_elements(streamer, units, replaced=kw.get("replace") is not None))
         streamer.on_free = track.done
         if streamer is c_s:
-            kw["rotation"] = rotation
+            kw["rotation"], kw["raw_in"] = rotation, raw_in
         try:
             with _threads(threads), Pass(streamer, *units, **kw) as p:
                 out = run_model(streamer.model, inputs)
@@ -150,7 +151,8 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     p_cw, conv_w = run(c_s, c_units, c_dtype, forced=ref, map_center=True)
     timer.say("comparisons", quiet=True)
     with _threads(1):
-        fp64, failed = _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered, skip, rotation)
+        fp64, failed = _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered, skip, rotation,
+                                     raw_in)
         floor = tol if c_dtype == FP64 else ULP_FLOOR * dtype_eps(c_dtype)
         base = {d.name: d for d in diff_outputs(orig_w, exact, skip, centered)}
         rows, working_ok = [], True
@@ -242,22 +244,33 @@ class _PassTimer:
 
 def _rotation(report, centered) -> tuple[dict, Callable | None]:
     """({width: Q}, output map back to the original basis) of a rotated CONVERTED (normfold.rotate), else ({}, None).
-    Rotations through explicit or online ops are refused: only a stream rotated through its weights is mapped."""
+
+    Explicit rotations (structure.rotation["explicit"], replayed on the skeleton as normfold.load replays them)
+    need no mapping of their own: a stem's output ·Q (BLOOM, CLIP vision, mBART) is already the rotated stream the
+    blocks read, and a final norm's input ·Qᵀ lies after the blocks. A first block whose own input is rotated by
+    such a hook (Whisper's encoder) reads the original basis: `_raw_input_blocks`. Online Hadamard ops
+    (structure.rotation["online"], replayed too) act inside a block, on its MLP down-projection's input: a block's
+    stream input and output are unchanged by them, so they need no mapping either."""
     rot = report.structure.rotation if report is not None else None
     if not rot:
         return {}, None
-    if rot.get("explicit") or rot.get("online"):
-        raise NormfoldError("CONVERTED's stream is rotated with explicit or online rotation ops (normfold.json "
-                            "structure.rotation); block-wise verification maps only a stream rotated through its "
-                            "weights. Verify in memory: `normfold verify ORIGINAL CONVERTED --no-blockwise`.")
     from ..rotate import rotation_of, unrotate_outputs
 
     return rotation_of(rot), unrotate_outputs(rot, centered)
 
 
+def _raw_input_blocks(report) -> frozenset:
+    """Blocks whose stream input is rotated by their own explicit pre-hook (x ← x·Q, the first block of a stream
+    whose stem ends in a non-linearity: Whisper's encoder): the input they receive is in the original basis, so
+    the original's stream is mapped onto it without Q (the hook applies Q inside the block's call)."""
+    rot = report.structure.rotation if report is not None else None
+    return frozenset(e["path"] for e in (rot or {}).get("explicit", [])
+                     if e.get("where") == "input" and not e.get("transpose"))
+
+
 
 def _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered, skip=(),
-                  rotation=None) -> tuple[dict, list[str]]:
+                  rotation=None, raw_in=frozenset()) -> tuple[dict, list[str]]:
     """float64: end to end, per block (on the original's inputs), the stream entering each stack
     (embeddings) and the outputs computed from the original's last hidden states (heads)."""
     d64 = diff_outputs(out_c64, exact, skip, centered)
@@ -275,7 +288,7 @@ def _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered, s
     for b in _stack_heads(blocks):
         if ref[b] and p_c64.free_in[b]:
             d = block_diff(f"stream into {b}", p_c64.free_in[b][0], stream_in(ref[b][0].args, ref[b][0].kwargs),
-                           rotation)
+                           None if b in raw_in else rotation)
             emb_rows.append({**asdict(d), "passed": d.max_rel <= tol})
     head_rows = [{**asdict(d), "passed": d.max_rel <= tol}
                  for d in diff_outputs(out_tail, exact, skip, centered) if "hidden_states" not in d.name]

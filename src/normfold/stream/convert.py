@@ -26,7 +26,8 @@ and a writer thread, `writer.write_checkpoint`), and freed tensor memory is reus
 `--stream auto` streams whenever it succeeds.
 
 `rotate="hadamard"|"orthogonal"` streams too (`stream/rotation.py`: each component in float64 from read to one
-rounding, the in-memory rotation's own functions; the same bytes), except models rotated through explicit hooks.
+rounding, the in-memory rotation's own functions; the same bytes), explicit rotation hooks and `rotate_online`
+included (recorded in the structure as the in-memory rotation records them).
 
 The parts: `source` (the checkpoint's headers, the meta model, tensor names), `plan` (edits, components, output
 tensors and files), `compute` (one component's values), `writer` (files written, overlapped with reading and
@@ -82,10 +83,10 @@ class Prepared:
 
 
 def _options(options, to, keep_affine, fold_final, allow_new_bias, pad, untie, rotate=None,
-             rotate_seed=None) -> ConvertOptions:
+             rotate_seed=None, rotate_online=None) -> ConvertOptions:
     options = resolve_options(options, "stream_convert", to=to, keep_affine=keep_affine, fold_final=fold_final,
                               allow_new_bias=allow_new_bias, pad=pad, untie=untie, rotate=rotate,
-                              rotate_seed=rotate_seed)
+                              rotate_seed=rotate_seed, rotate_online=rotate_online)
     options = options.replace(keep_affine=bool(options.keep_affine))
     if options.to not in STREAMED_TARGETS or options.variant_options:
         what = f"--to {options.to}" if options.to not in STREAMED_TARGETS else "--option"
@@ -95,10 +96,8 @@ def _options(options, to, keep_affine, fold_final, allow_new_bias, pad, untie, r
         raise StreamUnsupportedError("--pad applies to --to crmsnorm only")
     if options.untie and options.to != "rmsnorm":
         raise StreamUnsupportedError("--untie applies to --to rmsnorm only")
-    if options.rotate_online:
-        raise StreamUnsupportedError("--rotate-online is not streamed: its online Hadamard ops need normfold.load, "
-                                     "and nothing verifies them block by block; convert in memory (--stream never, "
-                                     "or normfold.convert)")
+    if options.rotate_online and options.rotate is None:
+        raise StreamUnsupportedError("--rotate-online needs --rotate hadamard|orthogonal")
     if options.rotate is not None:
         if options.to != "rmsnorm":
             raise StreamUnsupportedError(f"--rotate works with --to rmsnorm (got --to {options.to})")
@@ -111,7 +110,7 @@ def _options(options, to, keep_affine, fold_final, allow_new_bias, pad, untie, r
 def prepare(source_dir: str | os.PathLike, *, to: str | None = None, options: ConvertOptions | None = None,
             keep_affine: bool | None = None, fold_final: bool | None = None, allow_new_bias: bool | None = None,
             pad: bool | None = None, untie: bool | None = None, rotate: str | None = None,
-            rotate_seed: int | None = None) -> Prepared:
+            rotate_seed: int | None = None, rotate_online: bool | None = None) -> Prepared:
     """Everything `stream_convert` checks before it writes anything (headers, dtypes, names, the adapter and
     its plan, on a meta model: no weights read but norm biases later). Raises StreamUnsupportedError (or
     another NormfoldError) when this source or option cannot stream; the CLI's `--stream auto` then
@@ -122,7 +121,8 @@ def prepare(source_dir: str | os.PathLike, *, to: str | None = None, options: Co
         raise StreamUnsupportedError(f"{source_dir} is a normfold checkpoint (normfold.json): its conversions are "
                                      "reverse ones; stream_convert(..., to='layernorm') streams a Pre-RMSNorm / "
                                      "Pre-CRMSNorm one back (normfold.stream.reverse), the others convert in memory (--stream never)")
-    options = _options(options, to, keep_affine, fold_final, allow_new_bias, pad, untie, rotate, rotate_seed)
+    options = _options(options, to, keep_affine, fold_final, allow_new_bias, pad, untie, rotate, rotate_seed,
+                       rotate_online)
     if options.rotate is not None:
         from .rotation import variant
 
@@ -151,7 +151,8 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                    options: ConvertOptions | None = None, keep_affine: bool | None = None,
                    fold_final: bool | None = None, allow_new_bias: bool | None = None, pad: bool | None = None,
                    untie: bool | None = None, rotate: str | None = None, rotate_seed: int | None = None,
-                   progress: Progress | None = None, prepared: Prepared | None = None) -> ConversionReport:
+                   rotate_online: bool | None = None, progress: Progress | None = None,
+                   prepared: Prepared | None = None) -> ConversionReport:
     """Convert the safetensors checkpoint in `source_dir` into `out_dir` (an existing empty directory)
     shard by shard, to Pre-RMSNorm or Pre-CRMSNorm (`pad` too), rotated with `rotate` / `rotate_seed`. Writes the weights (sharded like the source
     when it is stock-reloadable, else one normfold_model.safetensors), config.json, the tokenizer/generation
@@ -178,7 +179,8 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                     "(--stream never, or normfold.load + normfold.convert)")
             return stream_reverse(source_dir, out, to=target, progress=progress)
         prepared = prepare(source_dir, to=to, options=options, keep_affine=keep_affine, fold_final=fold_final,
-                           allow_new_bias=allow_new_bias, pad=pad, untie=untie, rotate=rotate, rotate_seed=rotate_seed)
+                           allow_new_bias=allow_new_bias, pad=pad, untie=untie, rotate=rotate, rotate_seed=rotate_seed,
+                           rotate_online=rotate_online)
     source, dtype, original, names = prepared.source, prepared.dtype, prepared.original, prepared.names
     adapter, plan, options = prepared.adapter, prepared.plan, prepared.options
     to = options.to
@@ -220,7 +222,8 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
 
         computer = rotation.RotatingComputer(values_model, plan, options, source, names,
                                              rotation.targets(structure_model, plan, report),
-                                             rotation_of(report.structure.rotation), outputs)
+                                             rotation_of(report.structure.rotation), outputs,
+                                             rotation.online_targets(structure_model, report))
         computer.check_owned(comps)
     else:
         computer = Computer(values_model, plan, options, source, names, compression)

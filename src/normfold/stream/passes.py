@@ -103,7 +103,7 @@ class Pass:
     """Hooks for one forward of a skeleton: load/free per unit; capture or force per block."""
 
     def __init__(self, streamer: Streamer, blocks, others, resident, *, capture=False, forced=None,
-                 replace=None, replace_like=None, map_center=False, rotation=None) -> None:
+                 replace=None, replace_like=None, map_center=False, rotation=None, raw_in=frozenset()) -> None:
         self.s = streamer
         self.blocks, self.others, self.resident = blocks, others, resident
         self.capture = capture  # record every block call's stream input / output (float64 reference)
@@ -112,6 +112,7 @@ class Pass:
         self.replace_like = replace_like  # {block: [stream output of this model's own run]} (its means)
         self.map_center = map_center
         self.rotation = rotation  # {width: Q}: the converted stream is the original's ·Q (normfold.rotate)
+        self.raw_in = raw_in  # blocks whose input is rotated by their own explicit pre-hook: mapped without Q
         self.captured: dict[str, list[_Capture]] = {b: [] for b in blocks}
         self.forced_out: dict[str, list[tuple]] = {b: [] for b in blocks}  # (reference call, output)
         self.free_in: dict[str, list[Tensor]] = {b: [] for b in blocks}
@@ -196,8 +197,9 @@ class Pass:
             if ref is None:
                 self.forced_out[path].append((None, None))
                 return
+            rotation = None if path in self.raw_in else self.rotation
             a, kw = _with_stream(args, kwargs, to_stream(stream_in(ref.args, ref.kwargs), x, self.map_center,
-                                                               self.rotation))
+                                                               rotation))
             self._inner = True
             try:
                 with _only_normfold_hooks(mod):

@@ -12,9 +12,19 @@ table, a vocabulary head) runs over that tensor's row blocks (`algebra.rotation.
 in-memory rotation multiplies by Q), so float64 is only ever one block of it; its other outputs must come out
 the same from every block (checked).
 
-Not streamed (StreamUnsupportedError, the CLI's `--stream auto` converts in memory): streams the in-memory
-rotation rotates through an explicit x ← x·Q hook (a stem recentred explicitly: BLOOM, CLIP, Whisper; a final
-norm no head reads), and `--rotate-online`.
+Streams the in-memory rotation rotates through an explicit x ← x·Q hook (a stem recentred explicitly: BLOOM's
+word_embeddings_layernorm, CLIP's pre_layrnorm, mBART's layernorm_embedding, the input of Whisper's first encoder
+layer; a final norm no head reads, which keeps γ/β and reads x·Qᵀ) stream too: the hooks hold no weights (Q is a
+non-persistent buffer rebuilt from kind + seed), the structure pass records them in structure.rotation["explicit"]
+exactly as the in-memory rotation does (it is that code, on meta tensors), the stem's tensors are left unrotated
+(`rotate.stream_tensor_names` skips them) and the final norm's γ/β are kept (`targets` reads which norms from the
+record).
+
+`--rotate-online` streams too: the structure pass records the down-projections (structure.rotation["online"]) as the
+in-memory rotation does, and each of their weights, once rotated by Q along its stream axis, is multiplied by H/√n
+along its input axis in the same float64 values before the one rounding (`online_targets`; the order and the
+function, `algebra.rotate_axis`, of `rotate.add_online_hadamard`). Such a weight is never split into row blocks:
+H mixes what would be its rows in GPT-2's Conv1D layout.
 """
 
 from __future__ import annotations
@@ -29,44 +39,28 @@ from ..algebra import rotate_axis
 from ..algebra.rotation import row_blocks
 from ..convert import VARIANTS, center_writer_at, rotating_variant
 from ..errors import NormfoldError, UnsupportedConversionError
+from ..ops.hadamard import hadamard_matrix
 from .compute import Computer, batches
 from .plan import Component
 from .source import StreamUnsupportedError
 
 BLOCK_ABOVE = 64 * 1024**2  # float64 bytes of a component above which its largest tensor runs in row blocks
 
-EXPLICIT = ("the in-memory rotation rotates {what} with an explicit x ← x·Q hook (structure.rotation[\"explicit\"], "
-            "replayed by normfold.load), not through the weights; the streamed conversion writes weights only, and the "
-            "block-wise verifier does not map hidden states through such hooks. Convert in memory (--stream never or "
-            "auto, or normfold.convert(model, rotate=...))")
-
-
 def variant(options):
-    """The rotating rmsnorm variant of `options` (what normfold.convert builds for rotate=...)."""
-    return rotating_variant(VARIANTS[options.to], options.rotate, options.rotate_seed, options.keep_affine, False)
+    """The rotating rmsnorm variant of `options` (what normfold.convert builds for rotate=..., rotate_online=...)."""
+    return rotating_variant(VARIANTS[options.to], options.rotate, options.rotate_seed, options.keep_affine,
+                            bool(options.rotate_online))
 
 
 def check_plan(plan) -> None:
-    """Refuse, before anything is written, the streams the in-memory rotation rotates explicitly."""
+    """Refuse, before anything is written, what the in-memory rotation refuses to place (`rotate.rotation_points`:
+    a Recenter that does not start its stream)."""
     from ..rotate import rotation_points
 
     try:
-        points = rotation_points(plan)
+        rotation_points(plan)
     except UnsupportedConversionError as exc:
         raise StreamUnsupportedError(str(exc)) from exc
-    for stream, pts in zip(plan.streams, points):
-        where = list(pts.after) + list(pts.before)
-        if where:
-            raise StreamUnsupportedError(
-                f"--rotate does not stream this model: stream {stream.name!r} is recentred explicitly at "
-                f"{', '.join(where)} (its stem is not linear), so "
-                + EXPLICIT.format(what="its output there"))
-        bare = [s.path for s in stream.norms if s.final and not s.readers]
-        if bare:
-            raise StreamUnsupportedError(
-                f"--rotate does not stream this model: the final norm {', '.join(bare)} is read by no head (the "
-                "model's output is the stream itself), so it keeps γ/β and "
-                + EXPLICIT.format(what="its input back (x·Qᵀ)"))
 
 
 def targets(model: nn.Module, plan, report) -> dict[str, tuple[int, bool, int]]:
@@ -75,12 +69,27 @@ def targets(model: nn.Module, plan, report) -> dict[str, tuple[int, bool, int]]:
     from ..rotate import rotation_points, stream_tensor_names
 
     widths = [s["width"] for s in report.structure.rotation["streams"]]
+    # the final norms no head reads keep γ/β and read x·Qᵀ (the in-memory rotation's record of them)
+    back = {e["path"] for e in report.structure.rotation.get("explicit", []) if e.get("transpose")}
     out: dict[str, tuple[int, bool, int]] = {}
     for stream, pts, d in zip(plan.streams, rotation_points(plan), widths):
+        pts.unrotate = [s.path for s in stream.norms if s.path in back]
         for name, axis, writer in stream_tensor_names(model, stream, pts):
             if name in out and out[name][2] != d:
                 raise StreamUnsupportedError(f"{name} is shared by streams of widths {out[name][2]} and {d}")
             out.setdefault(name, (axis, writer, d))
+    return out
+
+
+def online_targets(model: nn.Module, report) -> dict[str, int]:
+    """{weight name: input axis} of the down-projections the in-memory rotation gives an online Hadamard
+    (structure.rotation["online"], recorded by the structure pass on `model`)."""
+    from ..algebra import layout_of
+
+    out = {}
+    for path in (report.structure.rotation or {}).get("online", []):
+        lay = layout_of(get(model, path))
+        out[f"{path}.{lay.weight}"] = lay.in_dim
     return out
 
 
@@ -91,16 +100,19 @@ def _module_of(name: str, modules: set[str]) -> bool:
 class RotatingComputer(Computer):
     """Computer whose components run in float64 from read to one rounding, rotated (see the module docstring)."""
 
-    def __init__(self, model, plan, options, source, names, rotated: dict, qs: dict, outputs):
+    def __init__(self, model, plan, options, source, names, rotated: dict, qs: dict, outputs,
+                 online: dict | None = None):
         super().__init__(model, plan, options, source, names)
-        self.rotated, self.qs = rotated, qs
+        self.rotated, self.qs, self.online = rotated, qs, dict(online or {})
+        self.hs: dict[int, torch.Tensor] = {}  # n -> H/√n (float64), built once: see `_hadamard`
         self.dtypes = {o.name: o.dtype for o in outputs}
         self.shapes = {o.name: tuple(o.shape) for o in outputs}
 
     def check_owned(self, comps: list[Component]) -> None:
         """Every rotated tensor is computed by some component (else it would be copied unrotated)."""
-        owned = [n for n in self.rotated if any(n in c.params or _module_of(n, set(c.modules)) for c in comps)]
-        missing = sorted(set(self.rotated) - set(owned))
+        wanted = set(self.rotated) | set(self.online)
+        owned = [n for n in wanted if any(n in c.params or _module_of(n, set(c.modules)) for c in comps)]
+        missing = sorted(wanted - set(owned))
         if missing:
             raise StreamUnsupportedError(f"--rotate does not stream this model: {', '.join(missing[:3])} would be "
                                          "rotated but no edit of the streamed plan computes it; convert in memory")
@@ -142,7 +154,7 @@ class RotatingComputer(Computer):
         t = tensors[name]
         spec = self.rotated.get(name)
         module = name.rpartition(".")[0]
-        if (spec is None or t.dim() != 2 or spec[0] not in (1, -1) or not t.is_contiguous()
+        if (spec is None or name in self.online or t.dim() != 2 or spec[0] not in (1, -1) or not t.is_contiguous()
                 or any(n.rpartition(".")[0] == module for n in tensors if n != name)):
             return None  # not row-separable (a bias beside it takes β·W by rows): whole, in float64 (same bytes)
         return name
@@ -177,6 +189,15 @@ class RotatingComputer(Computer):
                                         "(--stream never)")
         return {**first, big: table} if big in keys else first
 
+    def _hadamard(self, n: int) -> torch.Tensor:
+        """H/√n as rotate.add_online_hadamard computes it (`hadamard_matrix(n) / n ** 0.5`, float64: the same Q
+        `rotate_axis` multiplies by), kept for the next down-projection: building it per layer took ~2.5 × its
+        size transiently (the doubling's copies and the division; at n = 4096 that was the conversion's peak,
+        1068 MiB against 786 MiB without --rotate-online on a 0.5 GB BLOOM, loaded machine) and its time."""
+        if n not in self.hs:
+            self.hs[n] = hadamard_matrix(n) / n ** 0.5
+        return self.hs[n]
+
     def _once(self, comp: Component, keys: list[str], params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         from ..rotate import fold_kept_gamma
 
@@ -197,5 +218,9 @@ class RotatingComputer(Computer):
                 if name in comp.params or _module_of(name, modules):
                     p = get(self.model, name)
                     p.copy_(rotate_axis(p, self.qs[d], axis, center=writer))
+            for name, axis in self.online.items():  # after the stream rotation, as rotate.add_online_hadamard
+                if name in comp.params or _module_of(name, modules):
+                    p = get(self.model, name)
+                    p.copy_(rotate_axis(p, self._hadamard(int(p.shape[axis])), axis))
         return {k: get(self.model, k).detach() for k in keys}
 

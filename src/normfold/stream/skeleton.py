@@ -58,7 +58,7 @@ def build_skeleton(directory: Path, structure=None, names: set[str] | None = Non
     with _parameters_on_meta():
         model = cls(config, **kwargs)
         if structure is not None:
-            apply_structure(model, structure)
+            apply_structure(model, structure, real_rotations=True)  # Q: a real buffer, like the others
     return model.eval()
 
 
