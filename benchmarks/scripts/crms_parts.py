@@ -19,11 +19,14 @@ the entry's former sliced two-pass form; i.e. the runtime before them). Each rou
 rotating the order; per part the table gives the median ms per forward and the median [q25, q75] of the
 per-round differences against rms.
 
-    OMP_NUM_THREADS=1 python benchmarks/scripts/crms_parts.py vit|gpt2 float32|bfloat16 [rounds]
+    OMP_NUM_THREADS=1 [NORMS_BY_NAME=1] python benchmarks/scripts/crms_parts.py vit|gpt2 float32|bfloat16 [rounds]
+
+NORMS_BY_NAME=1 times every norm module on its own row (norm:NAME) instead of the two norm rows.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import time
@@ -100,7 +103,7 @@ class Timer:
         fwd = m.forward
 
         def timed(*args, **kwargs):
-            key = cat + ("+add" if cat == "norm" and (len(args) > 1 and args[1] is not None
+            key = cat + ("+add" if cat.startswith("norm") and (len(args) > 1 and args[1] is not None
                                                      or kwargs.get("residual") is not None) else "")
             t = time.thread_time()
             try:
@@ -129,7 +132,8 @@ def instrument(model: nn.Module, cats: dict[str, str]) -> Timer:
         if m._forward_hooks or m._forward_pre_hooks:
             timer.wrap_hooks(m)
         if name in cats and (cats[name] != "norm" or not any(True for _ in m.children())):
-            timer.wrap_forward(m, cats[name])
+            by_name = cats[name] == "norm" and os.environ.get("NORMS_BY_NAME") == "1"
+            timer.wrap_forward(m, f"norm:{name}" if by_name else cats[name])
     return timer
 
 
