@@ -23,6 +23,9 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
+from ..ops import cpu as _cpu
+from ..ops.registry import cpu_fast_path as _cpu_fast_path
+from ..ops.registry import jit_tracing as _jit_tracing
 from ..adapters.base import get, parameter, parent_and_leaf, submodule
 from ..nn import CRMSNorm, register_norm_type
 
@@ -72,6 +75,9 @@ class StreamCRMSNorm(CRMSNorm):
             s = x + residual
             return s, self.forward(s)
         if not self.pad:
+            n = self._decompressed(x)
+            if n is not None:
+                return n
             n = CRMSNorm.forward(self, x) if self.weight is None and self.bias is None else \
                 ops.crms_norm(x, None, None, self.eps)
             xf = n.to(_acc(x.dtype))
@@ -87,6 +93,32 @@ class StreamCRMSNorm(CRMSNorm):
         if self.bias is not None:
             n = n + self.bias.to(n.dtype)
         return n.to(x.dtype)
+
+    def _decompressed(self, x: Tensor) -> Tensor | None:
+        """The decompressed d-wide γ⊙n + β (the final norms of a d−1 stream) in the common CPU inference
+        case, with fewer passes than the general path below: the kernel's n (x's dtype), then one d-wide
+        buffer in the accumulation dtype that receives n, −Σn, γ and β in place (the general path wrote
+        n.to(acc), the cat, n·γ and +β as four new d-wide tensors). The same operations on the same
+        values, in the same order: bit-identical (tests/compress/test_crms_runtime_fast.py). None when the
+        case is not that one (gradients, tracing, compiling, export, non-CPU)."""
+        w, b = self._affine()
+        if not (_cpu_fast_path[0] and x.is_cpu and not torch.compiler.is_compiling() and not _jit_tracing()) \
+                or x.dim() == 0 or (torch.is_grad_enabled() and any(
+                    t is not None and t.requires_grad for t in (x, w, b))):
+            return None
+        n = _cpu.fast_forward(x, None, None, self.eps, True)
+        if n is None:
+            return None
+        acc = _acc(x.dtype)
+        out = torch.empty(x.shape[:-1] + (self.width,), dtype=acc)
+        head = out[..., :-1]
+        head.copy_(n)
+        torch.sum(head, dim=-1, keepdim=True, out=out[..., -1:]).neg_()
+        if w is not None:
+            out.mul_(w if w.dtype is acc else w.to(acc))
+        if b is not None:
+            out.add_(b if b.dtype is acc else b.to(acc))
+        return out if acc is x.dtype else out.to(x.dtype)
 
     @classmethod
     def from_layernorm(cls, ln: nn.Module, keep_weight: bool = True, keep_bias: bool = True, width: int | None = None,
@@ -154,10 +186,13 @@ def _recenter_compress(x: Tensor, pad: bool) -> Tensor:
     # embeddings a kept tie leaves for this op to recentre), the second pass removes the first mean's rounding
     # (tests/compress/test_crms_float32.py: one pass failed its float32 check by 20x at offset 1.0, d = 512)
     x = x - x.mean(dim=-1, keepdim=True)
-    x = x - x.mean(dim=-1, keepdim=True)
     if pad:
+        x = x - x.mean(dim=-1, keepdim=True)
         return torch.cat([x[..., :-1], torch.zeros_like(x[..., -1:])], dim=-1)
-    return x[..., :-1]
+    # the second subtraction writes only the d−1 kept coordinates: the same values as slicing the d-wide
+    # result, but a contiguous stream (a slice of it made the first block's norm and adds read rows d
+    # apart, off the norms' fast path; issue 24 item 4) and one d-wide pass less
+    return x[..., :-1] - x.mean(dim=-1, keepdim=True)
 
 
 def _out_hook_compress(module, args, output):

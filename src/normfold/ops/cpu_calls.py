@@ -91,7 +91,7 @@ def fast_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: flo
         if f is None:
             return None
     code = codes.get(x.dtype)
-    if code is None or not x.is_cpu or not x.is_contiguous() or x.dim() == 0:
+    if code is None or not x.is_cpu or x.dim() == 0:
         return None
     n = x.shape[-1]
     numel = x.numel()
@@ -101,9 +101,41 @@ def fast_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: flo
     if params is None:
         return None
     wp, wdt, bp, bdt = params
+    if not x.is_contiguous():
+        return _fast_strided(code, x, n, params, eps, compressed)
     y = torch.empty_like(x)
     if f(code, x.data_ptr(), wp, wdt, bp, bdt, y.data_ptr(), numel // n, n, eps, compressed,
          torch.get_num_threads()) != 0:
+        return None
+    return y
+
+
+def _row_view(t: Tensor, n: int) -> tuple[Tensor, int] | None:
+    """(t as (rows, n), elements between rows) when that is a view of t's memory with a unit last stride
+    (a slice t[..., :k] of a contiguous tensor, what Pre-CRMS's padded writers and the stream's entry
+    return), else None. No copy: the kernels read rows `ld` elements apart."""
+    if t.stride(-1) != 1:
+        return None
+    try:
+        t2 = t.view(-1, n)
+    except RuntimeError:
+        return None
+    ld = t2.stride(0) if t2.shape[0] > 1 else n
+    return (t2, ld) if ld >= n else None
+
+
+def _fast_strided(code: int, x: Tensor, n: int, params, eps: float, compressed: bool):
+    """fast_forward for a row-strided x (`_row_view`): the general kernel entry with the row distance,
+    the same kernel and arithmetic per row as the dispatcher's path (`_launch_fwd`) takes for it."""
+    f = _calls["forward"]
+    rv = _row_view(x, n)
+    if f is None or rv is None:
+        return None
+    x2, xs = rv
+    wp, wdt, bp, bdt = params
+    y = torch.empty(x.shape, dtype=x.dtype)
+    if f(code, x2.data_ptr(), xs, None, 0, wp, wdt, bp, bdt, y.data_ptr(), None, None, x2.shape[0], n,
+         float(eps), int(compressed), torch.get_num_threads()) != 0:
         return None
     return y
 
@@ -117,7 +149,7 @@ def fast_add_forward(x: Tensor, residual: Tensor, weight: Tensor | None, bias: T
     f = _calls["forward"]
     code = _fast[1].get(x.dtype)
     if f is None or code is None or residual.dtype is not x.dtype or not x.is_cpu or not residual.is_cpu \
-            or x.dim() == 0 or residual.shape != x.shape or not x.is_contiguous() or not residual.is_contiguous():
+            or x.dim() == 0 or residual.shape != x.shape:
         return None
     n = x.shape[-1]
     numel = x.numel()
@@ -128,10 +160,17 @@ def fast_add_forward(x: Tensor, residual: Tensor, weight: Tensor | None, bias: T
     if params is None:
         return None
     wp, wdt, bp, bdt = params
-    y = torch.empty_like(x)
-    s = torch.empty_like(x)
-    if f(code, x.data_ptr(), n, residual.data_ptr(), n, wp, wdt, bp, bdt, y.data_ptr(), s.data_ptr(), None,
-         numel // n, n, float(eps), int(compressed), torch.get_num_threads()) != 0:
+    # row-strided operands (`_row_view`: Pre-CRMS's padded writers return x[..., :d−1] of a d-wide
+    # product) are read in place, as the dispatcher's path reads them (issue 24: they used to take it)
+    xv = (x, n) if x.is_contiguous() else _row_view(x, n)
+    rv = (residual, n) if residual.is_contiguous() else _row_view(residual, n)
+    if xv is None or rv is None:
+        return None
+    contiguous = xv[0] is x and rv[0] is residual
+    y = torch.empty_like(x) if contiguous else torch.empty(x.shape, dtype=x.dtype)
+    s = torch.empty_like(x) if contiguous else torch.empty(x.shape, dtype=x.dtype)
+    if f(code, xv[0].data_ptr(), xv[1], rv[0].data_ptr(), rv[1], wp, wdt, bp, bdt, y.data_ptr(), s.data_ptr(),
+         None, numel // n, n, float(eps), int(compressed), torch.get_num_threads()) != 0:
         return None
     return s, y
 
