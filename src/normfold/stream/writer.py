@@ -38,6 +38,8 @@ def _finite_check(dtype: torch.dtype, name: str):
 
 
 
+# output files written with O_DIRECT (safetensors_io.SequentialFile; NORMFOLD_STREAM_DIRECT=0 turns it off)
+DIRECT = os.environ.get("NORMFOLD_STREAM_DIRECT", "1") != "0"
 PREFETCH = 1  # components read ahead of the one being computed
 # computed tensors waiting for the writer, at most (then the compute waits): 64 MB keeps the writer busy (a
 # block's largest tensor is written in tens of ms) without holding a quarter of a shard of finished tensors
@@ -151,6 +153,7 @@ def write_checkpoint(out: Path, files, outputs, owner, comps, computer: Computer
     done = {"next": 0}  # position in `order` of the next component to compute
     total = 0
     raw_fds: list[int] = []
+    sinks: list[st.SequentialFile] = []
     io_ = _Writer()
     ok = False
 
@@ -172,12 +175,16 @@ def write_checkpoint(out: Path, files, outputs, owner, comps, computer: Computer
             raw_fds.append(raw_fd)
             fd = checkpoint.HashingSink(raw_fd, out / fname)  # SHA-256 while writing (tamper evidence)
             base = len(header)
-            _preallocate(raw_fd, base + sum(n for _, _, n in placed))
-            io_.write(st.write_all, raw_fd, header, 0, hash_job=(fd.seen, header, 0))
+            size = base + sum(n for _, _, n in placed)
+            _preallocate(raw_fd, size)
+            # written front to back past the page cache (O_DIRECT, where the filesystem takes it)
+            sink = st.SequentialFile(raw_fd, out / fname, size, direct=DIRECT)
+            sinks.append(sink)
+            io_.write(st.write_bytes, sink, header, 0, hash_job=(fd.seen, header, 0))
 
             def put(t: torch.Tensor, at: int, nbytes: int) -> None:  # written and hashed in their own threads
                 t = t.detach().contiguous()
-                io_.write(st.write_tensor, raw_fd, t, at, nbytes=nbytes, hash_job=(_hash_tensor, fd, t, at))
+                io_.write(st.write_tensor, sink, t, at, nbytes=nbytes, hash_job=(_hash_tensor, fd, t, at))
 
             for name, offset, nbytes in placed:
                 o = by_name[name]
@@ -199,19 +206,22 @@ def write_checkpoint(out: Path, files, outputs, owner, comps, computer: Computer
                 else:
                     info = source.tensors[names[name]]
                     # the hasher reads the same bytes from the source (page cache) as the writer copies them
-                    io_.write(st.copy_range, info.file, info.start, nbytes, raw_fd, base + offset,
+                    io_.write(st.copy_range, info.file, info.start, nbytes, sink, base + offset,
                               _finite_check(o.dtype, names[name]), nbytes=nbytes,  # bounds how far ahead
                               hash_job=(_hash_range, fd, info.file, info.start, nbytes, base + offset))
                     # the progress line counts (a copy holds no tensor: 8 MB chunks)
                 weight_map[name] = fname
                 total += nbytes
                 progress.add(nbytes)
-            io_.drain()  # the file written and hashed: its digest
+            io_.drain()  # the file written and hashed: its last block written, then its digest
+            sink.close()
             digest(fname, fd, raw_fd)
         io_.drain()
         ok = True
     finally:
         io_.close(ok)  # waits for running jobs (and drops queued ones on failure) before the files close
+        for sink in sinks:
+            sink.close()
         for raw_fd in raw_fds:
             os.close(raw_fd)
     if pending:
