@@ -104,3 +104,26 @@ def fcntl_flags(fd: int) -> int:
     import fcntl
 
     return fcntl.fcntl(fd, fcntl.F_GETFL)
+
+
+@pytest.mark.parametrize("start,length", [(0, 100), (8, 3 * 4096 + 5), (12345, st.STAGE_BYTES + 77), (4096, 4096),
+                                          (5, st.STAGE_BYTES - 5), (5, st.STAGE_BYTES - 4), (-1000, 1000)])
+def test_direct_reads_return_the_plain_reads_bytes(tmp_path, start, length):
+    pieces = _pieces(4)
+    _write(tmp_path / "e.bin", pieces)
+    data = _expected(pieces)
+    start = start % len(data)
+    out = torch.empty(length, dtype=torch.uint8)
+    st.read_into(tmp_path / "e.bin", start, out, direct=True)
+    assert bytes(out.numpy()) == data[start:start + length]
+
+
+def test_a_direct_read_past_the_end_is_a_checkpoint_error(tmp_path):
+    from normfold.errors import CheckpointError
+
+    pieces = _pieces(5)
+    _write(tmp_path / "f.bin", pieces)
+    size = len(_expected(pieces))
+    for start in (size - 10, size + 5000):
+        with pytest.raises(CheckpointError, match="unexpected end of file"):
+            st.read_into(tmp_path / "f.bin", start, torch.empty(20, dtype=torch.uint8), direct=True)

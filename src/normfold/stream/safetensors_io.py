@@ -17,6 +17,7 @@ import errno
 import json
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -213,22 +214,28 @@ def _free(slab: torch.Tensor) -> bool:
     return _use_count(slab) <= slab.pool_uses
 
 
-def read_tensor(info: TensorInfo, slabs: Slabs | None = None) -> torch.Tensor:
+def read_tensor(info: TensorInfo, slabs: Slabs | None = None, direct: bool = False) -> torch.Tensor:
     """A private copy of one tensor (no memory map: freed when the tensor is), in a recycled buffer of `slabs`
-    when given."""
+    when given (`direct`: see `read_into`)."""
     if info.dtype not in TORCH_DTYPES:
         raise CheckpointError(f"{info.file}: unsupported dtype {info.dtype}")
     # torch.empty, not bytearray: no zero-fill pass over memory the read overwrites anyway
     raw = torch.empty(info.nbytes, dtype=torch.uint8) if slabs is None else slabs.take(info.nbytes)
-    read_into(info.file, info.start, raw)
+    read_into(info.file, info.start, raw, direct=direct)
     return raw.view(TORCH_DTYPES[info.dtype]).reshape(info.shape)
 
 
-def read_into(path: Path, start: int, out: torch.Tensor) -> None:
+def read_into(path: Path, start: int, out: torch.Tensor, direct: bool = False) -> None:
     """Fill the contiguous CPU tensor `out` with the bytes of `path` from `start` (pread: no memory map), so a
-    caller can reuse one buffer for many reads (no page fault per tensor)."""
+    caller can reuse one buffer for many reads (no page fault per tensor). `direct`: read past the page cache
+    (O_DIRECT, through one aligned staging buffer per thread; plain reads where the filesystem refuses it), for
+    a file known not to be cached, as a streamed conversion's own output is (written with O_DIRECT,
+    `SequentialFile`): a buffered read would fill fresh page-cache pages, a host fault each on a VM whose
+    freed memory goes back to the host (see SequentialFile)."""
     nbytes = out.numel() * out.element_size()
     if nbytes == 0:
+        return
+    if direct and _read_direct(path, start, out.reshape(-1).view(torch.uint8)):
         return
     view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
     fd = os.open(path, os.O_RDONLY)
@@ -239,6 +246,52 @@ def read_into(path: Path, start: int, out: torch.Tensor) -> None:
             if got <= 0:
                 raise CheckpointError(f"{path}: unexpected end of file reading a tensor")
             done += got
+    finally:
+        os.close(fd)
+
+
+_direct_stage = threading.local()  # this thread's aligned staging buffer for direct reads
+
+
+def _read_direct(path: Path, start: int, out: torch.Tensor) -> bool:
+    """`read_into(direct=True)`: bytes [start, start + len(out)) of `path` into the uint8 tensor `out`, read in
+    aligned blocks with O_DIRECT and copied out of the staging buffer. False (nothing promised about `out`)
+    where O_DIRECT is not available, so that the caller reads plainly."""
+    import mmap
+
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return False
+    try:
+        stage = getattr(_direct_stage, "buf", None)
+        if stage is None:
+            raw = mmap.mmap(-1, STAGE_BYTES)  # page-aligned, kept for this thread's next reads
+            stage = _direct_stage.buf = (raw, memoryview(raw), torch.frombuffer(raw, dtype=torch.uint8))
+        _, view, buf = stage
+        n = out.numel()
+        pos = start - start % ALIGN  # file offset of the staging buffer's first byte
+        done = 0
+        while done < n:
+            skip = start + done - pos
+            want = min(STAGE_BYTES, -(-(skip + n - done) // ALIGN) * ALIGN)
+            try:
+                got = os.preadv(fd, [view[:want]], pos)
+            except OSError as exc:
+                if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                    return False
+                raise
+            k = min(got - skip, n - done)
+            if k <= 0:
+                raise CheckpointError(f"{path}: unexpected end of file reading a tensor")
+            out[done:done + k].copy_(buf[skip:skip + k])
+            done += k
+            if got < want and done < n:  # a short read is the end of the file
+                raise CheckpointError(f"{path}: unexpected end of file reading a tensor")
+            pos += want
+        return True
     finally:
         os.close(fd)
 
