@@ -49,6 +49,16 @@ def _write(path, pieces, *, direct=True, order=None) -> st.SequentialFile:
     return f
 
 
+def test_a_disk_slower_than_the_page_cache_gets_the_rest_written_plainly(tmp_path, monkeypatch):
+    monkeypatch.setattr(st, "CHECK_BYTES", 1)
+    monkeypatch.setattr(st, "MIN_DIRECT_RATE", float("inf"))  # every disk is slow
+    pieces = _pieces(6)
+    f = _write(tmp_path / "g.bin", pieces)
+    if f.was_direct or f.fell_back:  # direct writing was tried (the filesystem took O_DIRECT)
+        assert f.slow and f.fell_back
+    assert (tmp_path / "g.bin").read_bytes() == _expected(pieces)
+
+
 def _expected(pieces) -> bytes:
     return b"".join(p if isinstance(p, bytes) else bytes(p.numpy()) for p in pieces)
 

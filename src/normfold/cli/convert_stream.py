@@ -266,7 +266,7 @@ def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float 
         # keeping freed memory within budget saved little system time there: 9.6 -> 8.2 s, 1215 -> 1247 MB)
         report.verification = verify_blockwise(source_dir, out_dir, seed=seed, progress=progress,
                                                fp64_tol=None if fp64_tol == 1e-9 else fp64_tol, skip=skip,
-                                               direct_reads=stream_writer.DIRECT)  # written past the page cache
+                                               direct_reads=stream_writer.written_direct(out_dir))  # not cached: read so
     else:
         original, _ = io.load_source(source_dir)
         converted = io.load(out_dir)

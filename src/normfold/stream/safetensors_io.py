@@ -18,6 +18,7 @@ import json
 import os
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -359,6 +360,9 @@ def _write_all(out_fd, data, offset: int) -> None:
 
 # ---- output written past the page cache ---------------------------------------------------------------------
 
+# below this rate (measured over a file's first CHECK_BYTES) direct writing is a slow disk's own speed, which
+# the page cache would have hidden: the rest is written plainly (SequentialFile.slow)
+MIN_DIRECT_RATE, CHECK_BYTES = 1e9, 64 * 1024 * 1024
 ALIGN = 4096  # O_DIRECT: file offsets, lengths and buffer addresses in multiples of the block size (4096 covers
 STAGE_BYTES = 16 * 1024 * 1024  # 512-byte and 4 KiB devices); bytes staged per direct write
 
@@ -389,6 +393,9 @@ class SequentialFile:
         if self.dfd is not None:
             self.stage = mmap.mmap(-1, STAGE_BYTES)  # page-aligned
             self.buf = torch.frombuffer(self.stage, dtype=torch.uint8)
+        self.slow = False  # direct writes ran below MIN_DIRECT_RATE: given up
+        self.fell_back = self.dfd is None  # some bytes were written plainly (so may be in the page cache)
+        self.direct_bytes, self.direct_s = 0, 0.0
         self.start = 0  # file offset of the staged bytes
         self.fill = 0  # bytes staged
         self.end = 0  # where the next sequential write starts
@@ -439,6 +446,7 @@ class SequentialFile:
 
     def _flush(self, n: int) -> None:
         """Write the first `n` staged bytes (a multiple of ALIGN) at `self.start`."""
+        t0 = time.perf_counter()
         try:
             with memoryview(self.stage) as view:
                 done = 0
@@ -452,13 +460,20 @@ class SequentialFile:
                 raise
             self._fall_back()  # the filesystem refused O_DIRECT: everything staged written plainly, and the rest
             return
+        self.direct_s += time.perf_counter() - t0
+        self.direct_bytes += n
         self.start += n
         self.fill -= n
         if self.fill:
             self.stage.move(0, n, self.fill)
+        if (self.direct_bytes >= CHECK_BYTES and not self.slow
+                and self.direct_bytes < MIN_DIRECT_RATE * self.direct_s):
+            self.slow = True  # a slow disk: the page cache absorbs the rest (written back later)
+            self._fall_back()
 
     def _fall_back(self) -> None:
         """Out of order: the staged bytes written plainly, direct writing off for the rest of the file."""
+        self.fell_back = True
         if self.fill:
             with memoryview(self.stage) as view:
                 write_all(self.fd, view[:self.fill], self.start)

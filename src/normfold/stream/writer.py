@@ -40,6 +40,16 @@ def _finite_check(dtype: torch.dtype, name: str):
 
 # output files written with O_DIRECT (safetensors_io.SequentialFile; NORMFOLD_STREAM_DIRECT=0 turns it off)
 DIRECT = os.environ.get("NORMFOLD_STREAM_DIRECT", "1") != "0"
+# output directories whose weight files were written with O_DIRECT only (none of their pages cached): the
+# block-wise verification of a streamed output reads them the same way (`written_direct`)
+WRITTEN_DIRECT: set[str] = set()
+
+
+def written_direct(out) -> bool:
+    """Whether this process wrote every weight file of `out` with O_DIRECT (`SequentialFile`)."""
+    return str(Path(out).resolve()) in WRITTEN_DIRECT
+
+
 PREFETCH = 1  # components read ahead of the one being computed
 # computed tensors waiting for the writer, at most (then the compute waits): 64 MB keeps the writer busy (a
 # block's largest tensor is written in tens of ms) without holding a quarter of a shard of finished tensors
@@ -178,7 +188,8 @@ def write_checkpoint(out: Path, files, outputs, owner, comps, computer: Computer
             size = base + sum(n for _, _, n in placed)
             _preallocate(raw_fd, size)
             # written front to back past the page cache (O_DIRECT, where the filesystem takes it)
-            sink = st.SequentialFile(raw_fd, out / fname, size, direct=DIRECT)
+            # (not after a file found the disk slower than the page cache: see SequentialFile.slow)
+            sink = st.SequentialFile(raw_fd, out / fname, size, direct=DIRECT and not any(s.slow for s in sinks))
             sinks.append(sink)
             io_.write(st.write_bytes, sink, header, 0, hash_job=(fd.seen, header, 0))
 
@@ -226,6 +237,8 @@ def write_checkpoint(out: Path, files, outputs, owner, comps, computer: Computer
             os.close(raw_fd)
     if pending:
         raise NormfoldError(f"internal: computed tensors never written: {sorted(pending)[:5]}")
+    if sinks and not any(s.fell_back for s in sinks):
+        WRITTEN_DIRECT.add(str(Path(out).resolve()))
     return {"files": [f for f, *_ in layouts], "weight_map": weight_map, "total_size": total, "digests": digests}
 
 
