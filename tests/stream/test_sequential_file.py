@@ -49,10 +49,12 @@ def _write(path, pieces, *, direct=True, order=None) -> st.SequentialFile:
     return f
 
 
-def test_a_disk_slower_than_the_page_cache_gets_the_rest_written_plainly(tmp_path, monkeypatch):
-    monkeypatch.setattr(st, "CHECK_BYTES", 1)
+@pytest.mark.parametrize("check", [1, 4096 * 5])  # given up at the first full staging buffer, mid-write or not
+def test_a_disk_slower_than_the_page_cache_gets_the_rest_written_plainly(tmp_path, monkeypatch, check):
+    monkeypatch.setattr(st, "CHECK_BYTES", check)
     monkeypatch.setattr(st, "MIN_DIRECT_RATE", float("inf"))  # every disk is slow
     pieces = _pieces(6)
+    pieces.insert(1, torch.arange(3 * st.STAGE_BYTES + 11, dtype=torch.int64).to(torch.uint8))  # spans 3 buffers
     f = _write(tmp_path / "g.bin", pieces)
     if f.was_direct or f.fell_back:  # direct writing was tried (the filesystem took O_DIRECT)
         assert f.slow and f.fell_back

@@ -360,9 +360,9 @@ def _write_all(out_fd, data, offset: int) -> None:
 
 # ---- output written past the page cache ---------------------------------------------------------------------
 
-# below this rate (measured over a file's first CHECK_BYTES) direct writing is a slow disk's own speed, which
+# below this rate (a hard disk's or a slow SSD's; measured over a file's first CHECK_BYTES) direct writing is a slow disk's own speed, which
 # the page cache would have hidden: the rest is written plainly (SequentialFile.slow)
-MIN_DIRECT_RATE, CHECK_BYTES = 1e9, 64 * 1024 * 1024
+MIN_DIRECT_RATE, CHECK_BYTES = 0.4e9, 128 * 1024 * 1024
 ALIGN = 4096  # O_DIRECT: file offsets, lengths and buffer addresses in multiples of the block size (4096 covers
 STAGE_BYTES = 16 * 1024 * 1024  # 512-byte and 4 KiB devices); bytes staged per direct write
 
@@ -415,6 +415,9 @@ class SequentialFile:
             self.stage[self.fill:self.fill + k] = view[done:done + k]
             self._staged(k)
             done += k
+            if self.dfd is None and done < len(view):  # given up within this write: the rest plainly
+                write_all(self.fd, view[done:], offset + done)
+                return
 
     def write_tensor(self, t: torch.Tensor, offset: int) -> None:
         """A contiguous tensor's bytes at `offset` (copied into the staging buffer by torch, without the GIL)."""
@@ -428,6 +431,9 @@ class SequentialFile:
             self.buf[self.fill:self.fill + k].copy_(src[done:done + k])
             self._staged(k)
             done += k
+            if self.dfd is None and done < src.numel():  # given up within this write: the rest plainly
+                write_all(self.fd, memoryview(src[done:].numpy()), offset + done)
+                return
 
     def _sequential(self, offset: int, n: int) -> bool:
         """Whether this write goes through the staging buffer (direct, in order); else the file is plain from here."""
