@@ -24,6 +24,7 @@ from .. import io
 from ..errors import NormfoldError, OutputExistsError, VerificationFailedError
 from ..stream.convert import (STREAMED_TARGETS, StreamUnsupportedError, open_source, prepare,
                               stream_convert, weight_files)
+from ..stream import writer as stream_writer
 from ..stream.reverse import REVERSE_TARGETS, prepare_reverse, stream_reverse
 
 VERIFY_IN_MEMORY_BYTES = 256 * 1024**2  # verify streamed outputs in memory up to this source size
@@ -267,7 +268,8 @@ def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float 
         # (not inside safetensors_io.reuse_freed_memory: its peak, the float64 embedding table, is one unit, and
         # keeping freed memory within budget saved little system time there: 9.6 -> 8.2 s, 1215 -> 1247 MB)
         report.verification = verify_blockwise(source_dir, out_dir, seed=seed, progress=progress,
-                                               fp64_tol=None if fp64_tol == 1e-9 else fp64_tol, skip=skip)
+                                               fp64_tol=None if fp64_tol == 1e-9 else fp64_tol, skip=skip,
+                                               direct_reads=stream_writer.written_direct(out_dir))  # not cached: read so
     else:
         original, _ = io.load_source(source_dir)
         converted = io.load(out_dir)

@@ -63,7 +63,8 @@ FP64 = torch.float64
 
 def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.PathLike, *, inputs: dict | None = None,
                      seed: int = 0, centered=None, progress: Callable[[str], None] | None = None,
-                     fp64_tol: float | None = None, skip=(), same_basis: bool = False) -> dict:
+                     fp64_tol: float | None = None, skip=(), same_basis: bool = False,
+                     direct_reads: bool = False) -> dict:
     """`normfold verify ORIGINAL CONVERTED`'s checks in bounded memory; returns the same dict as
     `verify.compare_models(...).to_dict()` plus per-block results (see the module docstring).
 
@@ -74,7 +75,9 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     the stored dtype). `skip`: outputs left out of every comparison, as in `verify.diff_outputs` (the final
     norm's output when its γ went into the head, `--fold-final`: 'last_hidden_state', 'hidden_states[-1]').
     `same_basis`: ORIGINAL's stream is already in CONVERTED's rotated basis (a rotated checkpoint's streamed way
-    back, checked with the roles swapped: its weights keep the rotation), so a recorded rotation maps nothing."""
+    back, checked with the roles swapped: its weights keep the rotation), so a recorded rotation maps nothing.
+    `direct_reads`: CONVERTED's weights read past the page cache (O_DIRECT; a streamed conversion's output, which
+    its writer wrote that way, is not cached: see safetensors_io.read_into)."""
     from ..io import REPORT_FILE, inspect_converted
 
     original_dir, converted_dir = Path(original_dir), Path(converted_dir)
@@ -95,7 +98,7 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     raw_in = frozenset() if same_basis else _raw_input_blocks(report)
     if rotation:  # every final norm's output lacks its γ/β (they are in the heads), as the in-memory check skips
         skip = tuple(skip) + ("*last_hidden_state", "*hidden_states[-1]")
-    o_read, c_read = CheckpointReader(original_dir), CheckpointReader(converted_dir)
+    o_read, c_read = CheckpointReader(original_dir), CheckpointReader(converted_dir, direct=direct_reads)
     orig = build_skeleton(original_dir, names=set(o_read.files))
     conv = build_skeleton(converted_dir, report.structure if report is not None else None, names=set(c_read.files))
     if type(orig).__name__ != type(conv).__name__:

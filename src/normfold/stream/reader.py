@@ -23,7 +23,9 @@ class CheckpointReader:
     Files are mapped with `safe_open` only while one unit is read (`session`); `get` copies one
     tensor out, so nothing stays mapped between units."""
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    def __init__(self, directory: str | os.PathLike, direct: bool = False) -> None:
+        """`direct`: tensors read past the page cache (safetensors_io.read_into), for a directory known not to be
+        cached (a streamed conversion's own output)."""
         from ..checkpoint import ModelDir, read_weight_map
 
         model_dir = ModelDir(directory)  # every file through the path policy: nothing read from outside
@@ -52,6 +54,7 @@ class CheckpointReader:
         self._handles: dict[Path, object] | None = None
         self._headers: dict[Path, dict] = {}
         self._stage: Tensor | None = None
+        self.direct = direct
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
@@ -97,9 +100,9 @@ class CheckpointReader:
 
         with _checkpoint_errors(self.files[name]):
             if out is None:
-                return read_tensor(self._info(name))
+                return read_tensor(self._info(name), direct=self.direct)
             entry = self._info(name)
-            read_into(entry.file, entry.start, out)
+            read_into(entry.file, entry.start, out, direct=self.direct)
             return out
 
     def info(self, name: str) -> tuple[tuple, torch.dtype]:
@@ -136,14 +139,14 @@ class CheckpointReader:
             out = torch.empty((last - first, *shape[1:]), dtype=dtype)
         if stored == dtype and out.is_contiguous():  # nothing to cast: read straight into `out`
             with _checkpoint_errors(entry.file):
-                read_into(entry.file, entry.start + first * row, out)
+                read_into(entry.file, entry.start + first * row, out, direct=self.direct)
             return out
         step = max(1, chunk_bytes // row)
         with _checkpoint_errors(entry.file):
             for i in range(first, last, step):
                 k = min(step, last - i)
                 part = self._staging(k * row).view(stored).view(k, *shape[1:])
-                read_into(entry.file, entry.start + i * row, part)
+                read_into(entry.file, entry.start + i * row, part, direct=self.direct)
                 out[i - first:i - first + k].copy_(part)
         return out
 
@@ -158,7 +161,7 @@ class CheckpointReader:
         part = self._staging(row).view(stored).view(*shape[1:])
         with _checkpoint_errors(entry.file):
             for r in rows.tolist():
-                read_into(entry.file, entry.start + r * row, part)
+                read_into(entry.file, entry.start + r * row, part, direct=self.direct)
                 out[r].copy_(part)
 
     def dtype(self) -> torch.dtype:

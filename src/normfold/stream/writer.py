@@ -38,6 +38,18 @@ def _finite_check(dtype: torch.dtype, name: str):
 
 
 
+# output files written with O_DIRECT (safetensors_io.SequentialFile; NORMFOLD_STREAM_DIRECT=0 turns it off)
+DIRECT = os.environ.get("NORMFOLD_STREAM_DIRECT", "1") != "0"
+# output directories whose weight files were written with O_DIRECT only (none of their pages cached): the
+# block-wise verification of a streamed output reads them the same way (`written_direct`)
+WRITTEN_DIRECT: set[str] = set()
+
+
+def written_direct(out) -> bool:
+    """Whether this process wrote every weight file of `out` with O_DIRECT (`SequentialFile`)."""
+    return str(Path(out).resolve()) in WRITTEN_DIRECT
+
+
 PREFETCH = 1  # components read ahead of the one being computed
 # computed tensors waiting for the writer, at most (then the compute waits): 64 MB keeps the writer busy (a
 # block's largest tensor is written in tens of ms) without holding a quarter of a shard of finished tensors
@@ -151,6 +163,7 @@ def write_checkpoint(out: Path, files, outputs, owner, comps, computer: Computer
     done = {"next": 0}  # position in `order` of the next component to compute
     total = 0
     raw_fds: list[int] = []
+    sinks: list[st.SequentialFile] = []
     io_ = _Writer()
     ok = False
 
@@ -172,12 +185,17 @@ def write_checkpoint(out: Path, files, outputs, owner, comps, computer: Computer
             raw_fds.append(raw_fd)
             fd = checkpoint.HashingSink(raw_fd, out / fname)  # SHA-256 while writing (tamper evidence)
             base = len(header)
-            _preallocate(raw_fd, base + sum(n for _, _, n in placed))
-            io_.write(st.write_all, raw_fd, header, 0, hash_job=(fd.seen, header, 0))
+            size = base + sum(n for _, _, n in placed)
+            _preallocate(raw_fd, size)
+            # written front to back past the page cache (O_DIRECT, where the filesystem takes it)
+            # (not after a file found the disk slower than the page cache: see SequentialFile.slow)
+            sink = st.SequentialFile(raw_fd, out / fname, size, direct=DIRECT and not any(s.slow for s in sinks))
+            sinks.append(sink)
+            io_.write(st.write_bytes, sink, header, 0, hash_job=(fd.seen, header, 0))
 
             def put(t: torch.Tensor, at: int, nbytes: int) -> None:  # written and hashed in their own threads
                 t = t.detach().contiguous()
-                io_.write(st.write_tensor, raw_fd, t, at, nbytes=nbytes, hash_job=(_hash_tensor, fd, t, at))
+                io_.write(st.write_tensor, sink, t, at, nbytes=nbytes, hash_job=(_hash_tensor, fd, t, at))
 
             for name, offset, nbytes in placed:
                 o = by_name[name]
@@ -199,23 +217,28 @@ def write_checkpoint(out: Path, files, outputs, owner, comps, computer: Computer
                 else:
                     info = source.tensors[names[name]]
                     # the hasher reads the same bytes from the source (page cache) as the writer copies them
-                    io_.write(st.copy_range, info.file, info.start, nbytes, raw_fd, base + offset,
+                    io_.write(st.copy_range, info.file, info.start, nbytes, sink, base + offset,
                               _finite_check(o.dtype, names[name]), nbytes=nbytes,  # bounds how far ahead
                               hash_job=(_hash_range, fd, info.file, info.start, nbytes, base + offset))
                     # the progress line counts (a copy holds no tensor: 8 MB chunks)
                 weight_map[name] = fname
                 total += nbytes
                 progress.add(nbytes)
-            io_.drain()  # the file written and hashed: its digest
+            io_.drain()  # the file written and hashed: its last block written, then its digest
+            sink.close()
             digest(fname, fd, raw_fd)
         io_.drain()
         ok = True
     finally:
         io_.close(ok)  # waits for running jobs (and drops queued ones on failure) before the files close
+        for sink in sinks:
+            sink.close()
         for raw_fd in raw_fds:
             os.close(raw_fd)
     if pending:
         raise NormfoldError(f"internal: computed tensors never written: {sorted(pending)[:5]}")
+    if sinks and not any(s.fell_back for s in sinks):
+        WRITTEN_DIRECT.add(str(Path(out).resolve()))
     return {"files": [f for f, *_ in layouts], "weight_map": weight_map, "total_size": total, "digests": digests}
 
 
