@@ -186,3 +186,20 @@ def test_clip_vision_raw_stream_is_compared_in_memory():
     assert not bad.passed
     failing = {r["name"] for r in bad.working["outputs"] if not r["ok"]}
     assert "last_hidden_state (centred)" in failing and "pooler_output" not in failing
+
+
+def test_cli_says_what_is_not_compared(tmp_path, capsys):
+    """`normfold convert --rotate` and `normfold verify` (both modes) print the skipped outputs with the reason;
+    a base model's compared final-norm output is not among them."""
+    from normfold.cli import main
+
+    src = _source(tmp_path, "whisper", "WhisperModel", "d32")
+    assert main(["convert", str(src), "--rotate", "hadamard", "--out", str(tmp_path / "o"), "--stream", "never"]) == 0
+    outs = [capsys.readouterr().out]
+    for flag in ("--no-blockwise", "--blockwise"):
+        assert main(["verify", str(src), str(tmp_path / "o"), flag]) == 0
+        outs.append(capsys.readouterr().out)
+    for out in outs:
+        (line,) = [ln for ln in out.splitlines() if "not compared:" in ln]
+        assert "encoder_last_hidden_state" in line and "encoder_hidden_states[2]" in line and "γ/β" in line
+        assert " last_hidden_state" not in line.replace("encoder_last_hidden_state", "")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .ui import Steps, sci, table
+from .ui import Steps, sci, skipped_lines, table
 
 DESCRIPTION = """\
 Run ORIGINAL and CONVERTED side by side and report the errors of CONVERTED.
@@ -212,5 +212,7 @@ def _print_result(args, result: dict) -> int:
         heads = [h["name"] for h in (f.get("heads") or []) + (f.get("embeddings") or []) if not h["passed"]]
         if heads:
             print(f"  outside the blocks, beyond tolerance: {', '.join(heads)}")
+        for line in skipped_lines(result):
+            print(line)
         print(f"\n  {'PASS' if result['passed'] else 'FAIL'}: {args.converted} vs {args.original}")
     return 0 if result["passed"] else 1
