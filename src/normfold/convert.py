@@ -28,7 +28,7 @@ from .modelinfo import working_dtype  # noqa: F401  (re-exported: normfold.conve
 from .nn import RMSNorm
 from .nn.hooks import add_input_recenter, add_output_recenter
 from .report import TIE_NOTE, ConversionReport, NormRecord, Structure
-from .verify import CENTERED_OUTPUTS, verify_conversion
+from .verify import CENTERED_OUTPUTS, FinalNorms, verify_conversion
 
 Progress = Callable[[str], None]
 
@@ -839,13 +839,16 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
             return m.eval()
 
         skip = ("last_hidden_state", "hidden_states[-1]") if fold_final else ()
-        if rotate is not None:  # every final norm's output: its γ/β went into the heads (or, head-less, stayed)
-            skip = ("*last_hidden_state", "*hidden_states[-1]")
+        # rotated: a final norm's output is skipped where its γ/β went into the heads (rotated basis, lacking them)
+        # and compared where a head-less final norm kept them (un-rotated by its x·Qᵀ hook): verify.FinalNorms
+        final_norms = FinalNorms.of(report.structure) if rotate is not None else None
+        if final_norms is not None:
+            skip = ()
         output_map = (ROTATOR["rotator"].output_map(report.structure.rotation, centered_outputs(plan))
                       if rotate is not None else None)
         report.verification = verify_conversion(
             original, target, inputs, reconvert=reconvert if variant.exact else None, fp64_tol=fp64_tol,
-            skip=skip, centered=centered_outputs(plan), output_map=output_map,
+            skip=skip, centered=centered_outputs(plan), output_map=output_map, final_norms=final_norms,
             consume_original=discard_original and not inplace).to_dict()
         report.seconds["verify"] = round(time.perf_counter() - t1, 3)
     return target, report

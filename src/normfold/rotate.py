@@ -285,8 +285,9 @@ def apply_rotation(model: nn.Module, plan: ConversionPlan, options: ConvertOptio
             f"residual stream rotated ({kind}, seed {seed}; "
             + ", ".join(f"{s['name']}: d={s['width']} {s['construction']}" for s in streams)
             + "): hidden-state outputs are the rotated stream (normfold.rotate.unrotate_outputs maps them back); "
-            "the final norms' γ/β are in the heads, so a final norm's own output (last_hidden_state where it is "
-            "that) is rotated and lacks them")
+            "a final norm whose γ/β went into its readers (heads, cross-attention) gives its output (last_hidden_state "
+            "where it is that) rotated and without them (verification skips it); a final norm no head reads keeps "
+            "γ/β and un-rotates its input, so its output is the original's (verification compares it)")
         if online:
             done = add_online_hadamard(model, mlp_down_projections(model, report), report)
             report.notes.append(f"online Hadamard before {len(done)} MLP down-projection(s) (fast Walsh-Hadamard "

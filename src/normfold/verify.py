@@ -18,9 +18,11 @@ Pre-CRMSNorm stream is compared on the d−1 coordinates it carries (`stream_dif
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
 import math
+import re
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -64,6 +66,7 @@ class Verification:
     working: dict
     baseline: dict
     inputs: dict = field(default_factory=dict)
+    skipped: dict = field(default_factory=dict)  # output name -> why it is not compared
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -244,6 +247,106 @@ def stored_weights_tolerance(dtype: torch.dtype) -> float:
     return 1024 * eps if eps < 1e-4 else 8 * eps
 
 
+# ---- final-norm outputs of a rotated model ---------------------------------------------------------
+
+# Outputs that may be a stack's final-norm output: every stack's last_hidden_state and the last entry of
+# every hidden_states tuple (GPT-2 and Whisper append the final norm's output there; CLIP appends the raw
+# stream). Which of them really is a final norm's output, and whether that output is exact, is decided by
+# value (`FinalNorms`), not by name.
+FINAL_CANDIDATES = ("*last_hidden_state", "*hidden_states[-1]")
+_IN_BLOCK = re.compile(r"\.\d+(\.|$)")
+
+
+def _literal(name: str) -> str:
+    """`name` as an fnmatch pattern matching only itself ('hidden_states[2]' -> 'hidden_states[[]2]')."""
+    return name.replace("[", "[[]")
+
+
+@dataclass
+class FinalNorms:
+    """The final norms of a rotated model (normfold.rotate), for the verifiers. `lacking`: norms outside the
+    blocks whose γ went into their readers (the heads, a decoder's cross-attention): their output lacks γ/β and
+    is in the rotated basis, so no output equal to it can be compared with the original. `exact`: final norms
+    that keep γ/β and read x·Qᵀ (an explicit hook, structure.rotation["explicit"], transpose: a base model's
+    final norm that no head reads): their output is the original's exactly, in the original basis, so it is
+    compared, and not mapped by Qᵀ.
+
+    `run(model, inputs)` runs `model` with forward hooks on those norms and returns its outputs with the names
+    of the FINAL_CANDIDATES outputs equal to a lacking norm's output (to skip) and to an exact norm's (to
+    compare unmapped). Equality is bitwise (the output *is* the norm's output, reshaped at most), so a
+    raw-stream output (CLIP's vision last_hidden_state, CLIP's text hidden_states[-1]) is neither and is
+    compared as a stream, mapped by Qᵀ."""
+
+    lacking: tuple[str, ...] = ()
+    exact: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, structure) -> "FinalNorms | None":
+        """From a report's structure (its `rotation` and `norms`); None when the model is not rotated."""
+        rot = getattr(structure, "rotation", None) if structure is not None else None
+        if not rot:
+            return None
+        exact = tuple(e["path"] for e in rot.get("explicit", ()) if e.get("transpose"))
+        lacking = tuple(r.name for r in structure.norms
+                        if not r.weight and not _IN_BLOCK.search(r.name) and r.name not in exact)
+        return cls(lacking, exact)
+
+    @contextlib.contextmanager
+    def hooked(self, model: nn.Module):
+        seen: dict[str, list[Tensor]] = {}
+        handles = []
+        for path in self.lacking + self.exact:
+            module = _get(model, path)
+            if module is None:
+                continue
+            handles.append(module.register_forward_hook(
+                lambda _m, _a, out, path=path: seen.setdefault(path, []).append(out.detach())
+                if isinstance(out, Tensor) else None))
+        try:
+            yield seen
+        finally:
+            for h in handles:
+                h.remove()
+
+    def classify(self, outputs: dict[str, Tensor], seen: dict[str, list[Tensor]]) -> tuple[set[str], set[str]]:
+        lacking, exact = set(), set()
+        for name in _resolve_skip(list(outputs), FINAL_CANDIDATES):
+            t = outputs[name]
+            for path, outs in seen.items():
+                if any(o.numel() == t.numel() and o.dtype == t.dtype and torch.equal(o.reshape(-1), t.reshape(-1))
+                       for o in outs):
+                    (exact if path in self.exact else lacking).add(name)
+        return lacking - exact, exact
+
+    def run(self, model: nn.Module, inputs: dict) -> tuple[dict[str, Tensor], set[str], set[str]]:
+        with self.hooked(model) as seen:
+            out = run_model(model, inputs)
+        return (out, *self.classify(out, seen))
+
+
+def _get(model: nn.Module, path: str):
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+LACKING_WHY = ("a rotated model's final-norm output whose γ/β went into its readers (the heads, a decoder's "
+               "cross-attention): in the rotated basis and without γ/β, so not the original's")
+
+
+def skipped_outputs(names, skip, lacking=()) -> dict[str, str]:
+    """{output name: why} of the outputs `names` that `skip` (patterns, as diff_outputs takes them) leaves out."""
+    lacking = set(_resolve_skip(list(names), skip_names(lacking)))
+    return {n: LACKING_WHY if n in lacking else "skipped as asked (skip=...)"
+            for n in sorted(_resolve_skip(list(names), skip))}
+
+
+def skip_names(names) -> tuple[str, ...]:
+    """Exact output names as `skip` patterns for `diff_outputs`."""
+    return tuple(_literal(n) for n in sorted(names))
+
+
 # ---- the checks ------------------------------------------------------------------------------------
 
 def _mapped(outputs: dict[str, Tensor], output_map) -> dict[str, Tensor]:
@@ -252,11 +355,14 @@ def _mapped(outputs: dict[str, Tensor], output_map) -> dict[str, Tensor]:
 
 def verify_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *, reconvert=None,
                       fp64_tol: float = 1e-9, skip=(), centered=CENTERED_OUTPUTS,
-                      output_map=None, consume_original: bool = False) -> Verification:
+                      output_map=None, consume_original: bool = False,
+                      final_norms: FinalNorms | None = None) -> Verification:
     """Run the checks described in the module docstring. `reconvert(model_fp64) -> converted_fp64`
     re-applies the conversion in float64 (None for conversions that are not output-equivalent); it
     receives a private float64 copy of the original and may convert it in place. `output_map(name, t)`
     maps each converted output before comparison (a rotated stream back to the original basis).
+    `final_norms` (a rotated model, `FinalNorms.of(report.structure)`): the converted model's final-norm outputs
+    that lack γ/β are skipped (on top of `skip`), those a kept final norm gives exactly are compared unmapped.
 
     `consume_original`: the caller no longer needs `original` (the CLI): the working-dtype runs go first, then
     `original` itself is cast to float64 in place (parameter by parameter, no copy) and handed to `reconvert`,
@@ -264,12 +370,25 @@ def verify_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *
     (3x a float32 checkpoint) instead of that plus the original and a transient float32 copy of it (5x)."""
 
     dtype = working_dtype(converted)
+    skip = tuple(skip)
+    skip_w: tuple[str, ...] = ()
+    lacking_seen: set[str] = set()
+
+    def run_converted(model: nn.Module) -> tuple[dict[str, Tensor], tuple[str, ...]]:
+        if final_norms is None:
+            return _mapped(run_model(model, inputs), output_map), ()
+        out, lacking, exact = final_norms.run(model, inputs)
+        if output_map is not None:
+            out = {k: v if k in exact else output_map(k, v) for k, v in out.items()}
+        lacking_seen.update(lacking)
+        return out, skip_names(lacking)
+
     was_training = original.training
     original.eval()
     try:
         if consume_original:
             orig_w = run_model(original, inputs)
-            conv_w = _mapped(run_model(converted, inputs), output_map)
+            conv_w, skip_w = run_converted(converted)
             orig64 = original.to(torch.float64).eval()
         else:
             orig64 = copy.deepcopy(original).to(torch.float64).eval()
@@ -279,7 +398,9 @@ def verify_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *
             # The float64 copy is not needed once its outputs are known: `reconvert` may convert it in
             # place, so a check holds one float64 model at a time (peak memory ~2x the model less).
             conv64, orig64 = reconvert(orig64), None
-            d64 = diff_outputs(_mapped(run_model(conv64, inputs), output_map), exact, skip, centered)
+            out64, skip64 = run_converted(conv64)
+            d64 = diff_outputs(out64, exact, skip + skip64, centered)
+            del out64
             del conv64
             worst = worst_of(d64)
             fp64 = {**worst, "tolerance": fp64_tol, "passed": worst["max_rel_error"] <= fp64_tol,
@@ -287,10 +408,11 @@ def verify_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *
         del orig64
         if not consume_original:
             orig_w = run_model(original, inputs)
-            conv_w = _mapped(run_model(converted, inputs), output_map)
+            conv_w, skip_w = run_converted(converted)
     finally:
         original.train(was_training)
 
+    skip = skip + skip_w
     base = {d.name: d for d in diff_outputs(orig_w, exact, skip, centered)}
     conv = diff_outputs(conv_w, exact, skip, centered)
     rows, working_ok = [], True
@@ -314,12 +436,12 @@ def verify_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *
         working={"passed": working_ok, "rule": f"err(converted) <= {WORKING_FACTOR:g} * err(original) + "
                  f"{ULP_FLOOR:g} ulp, errors against the original in float64", "outputs": rows},
         baseline={**worst_of(list(base.values())), "what": "original in its dtype vs itself in float64"},
-        inputs=describe_inputs(inputs),
+        inputs=describe_inputs(inputs), skipped=skipped_outputs(exact, skip, lacking_seen),
     )
 
 
 def compare_models(reference: nn.Module, candidate: nn.Module, inputs: dict, *, skip=(),
-                   centered=CENTERED_OUTPUTS, output_map=None) -> Verification:
+                   centered=CENTERED_OUTPUTS, output_map=None, final_norms: FinalNorms | None = None) -> Verification:
     """`normfold verify ORIGINAL CONVERTED`: errors of a saved conversion against its original.
 
     Without the conversion recipe there is no exact float64 re-conversion: the float64 check runs
@@ -330,7 +452,7 @@ def compare_models(reference: nn.Module, candidate: nn.Module, inputs: dict, *, 
     stored = working_dtype(candidate)
     tol = stored_weights_tolerance(stored)
     return verify_conversion(reference, candidate, inputs, fp64_tol=tol, skip=skip, centered=centered,
-                             output_map=output_map,
+                             output_map=output_map, final_norms=final_norms,
                              reconvert=lambda _orig64: copy.deepcopy(candidate).to(torch.float64).eval())
 
 

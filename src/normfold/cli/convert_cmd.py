@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .ui import Steps, sci, table
+from .ui import Steps, sci, skipped_lines, table
 
 HELP = "convert a model and verify it (Pre-LN -> Pre-RMSNorm / Pre-CRMSNorm, and back)"
 
@@ -383,6 +383,7 @@ def summary(report, written, args) -> str:
             vrows.append([f"{v['dtype']}: converted vs float64 original", "", sci(worst["converted_rel_error"]),
                           f"{'pass' if v['working']['passed'] else 'FAIL'} (<= 4x baseline; worst: {worst['name']})"])
         lines.append(table(vrows, header=["verification", "max abs", "max rel", ""]))
+        lines.extend(skipped_lines(v))
         for r in v["working"]["outputs"]:
             if not r["ok"] and r.get("why"):
                 lines.append(f"  why {r['name']} fails: {r['why']}")

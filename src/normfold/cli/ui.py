@@ -33,3 +33,11 @@ class Steps:
         if self._name is not None:
             self.times[self._name] = time.perf_counter() - self._t
             self._name = None
+
+
+def skipped_lines(result: dict) -> list[str]:
+    """'  not compared: NAMES: WHY', one line per reason, of a verification result's `skipped` outputs."""
+    by_why: dict[str, list[str]] = {}
+    for name, why in (result.get("skipped") or {}).items():
+        by_why.setdefault(why, []).append(name)
+    return [f"  not compared: {', '.join(names)}: {why}" for why, names in by_why.items()]

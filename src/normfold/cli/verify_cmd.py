@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .ui import Steps, sci, table
+from .ui import Steps, sci, skipped_lines, table
 
 DESCRIPTION = """\
 Run ORIGINAL and CONVERTED side by side and report the errors of CONVERTED.
@@ -61,7 +61,7 @@ def run(args) -> int:
     from .. import io
     from ..adapters import example_inputs
     from ..errors import NormfoldError
-    from ..verify import CENTERED_OUTPUTS, compare_models
+    from ..verify import CENTERED_OUTPUTS, FinalNorms, compare_models
     from .convert_cmd import text_inputs
 
     if args.converted is None:
@@ -69,7 +69,7 @@ def run(args) -> int:
     if _use_blockwise(args):
         return _run_blockwise(args)
     steps = Steps(total=3, quiet=args.quiet)
-    output_map, skip = None, ()
+    output_map, skip, final_norms = None, (), None
     steps.start("load", f"loading {args.original} and {args.converted}")
     original, _ = io.load_source(args.original, trust_remote_code=args.trust_remote_code)
     conv_path = Path(args.converted)
@@ -81,8 +81,9 @@ def run(args) -> int:
             from ..rotate import unrotate_outputs
 
             output_map = unrotate_outputs(rotation, centered)
-            # every stack's final norm (an encoder's too: encoder_last_hidden_state), as normfold.convert skips
-            skip = ("*last_hidden_state", "*hidden_states[-1]")
+            # a final norm's output lacking γ/β (in the heads, an encoder's in the cross-attention) is skipped, a
+            # head-less final norm's (γ/β kept, un-rotated) compared, as normfold.convert does (verify.FinalNorms)
+            final_norms = FinalNorms.of(converted.normfold_report.structure)
     else:
         converted, _ = io.load_source(args.converted, trust_remote_code=args.trust_remote_code)
         centered = CENTERED_OUTPUTS
@@ -96,7 +97,7 @@ def run(args) -> int:
         inputs = example_inputs(original, gen, seq=16)
     steps.start("verify", "running both models")
     result = compare_models(original, converted, inputs, centered=centered, output_map=output_map,
-                            skip=skip).to_dict()
+                            skip=skip, final_norms=final_norms).to_dict()
     steps.end()
     return _print_result(args, result)
 
@@ -211,5 +212,7 @@ def _print_result(args, result: dict) -> int:
         heads = [h["name"] for h in (f.get("heads") or []) + (f.get("embeddings") or []) if not h["passed"]]
         if heads:
             print(f"  outside the blocks, beyond tolerance: {', '.join(heads)}")
+        for line in skipped_lines(result):
+            print(line)
         print(f"\n  {'PASS' if result['passed'] else 'FAIL'}: {args.converted} vs {args.original}")
     return 0 if result["passed"] else 1

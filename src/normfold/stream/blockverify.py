@@ -42,8 +42,9 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, NormfoldError
-from ..verify import (CENTERED_OUTPUTS, ULP_FLOOR, WORKING_FACTOR, TensorDiff, dtype_eps, worst_of, describe_inputs,
-                      diff_outputs, explain_failures, run_model, stored_weights_tolerance, top1_agreement)
+from ..verify import (CENTERED_OUTPUTS, ULP_FLOOR, WORKING_FACTOR, TensorDiff, dtype_eps, worst_of, describe_inputs, FinalNorms,
+                      diff_outputs, explain_failures, run_model, stored_weights_tolerance, top1_agreement, skip_names,
+                      skipped_outputs)
 from .memory import BufferPool, Ledger
 from .passes import Pass, block_diff, stream_in, to_stream
 from .progress import PassProgress
@@ -73,7 +74,9 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     forward kwargs (default: the adapter's example inputs for `seed`). `progress(message)` is called
     as each pass starts. `fp64_tol` defaults to compare_models' (`verify.stored_weights_tolerance` of
     the stored dtype). `skip`: outputs left out of every comparison, as in `verify.diff_outputs` (the final
-    norm's output when its γ went into the head, `--fold-final`: 'last_hidden_state', 'hidden_states[-1]').
+    norm's output when its γ went into the head, `--fold-final`: 'last_hidden_state', 'hidden_states[-1]'). A
+    rotated CONVERTED needs none: the final-norm outputs lacking γ/β are found by value and skipped, the exact
+    ones compared (`verify.FinalNorms`), and the result lists what was skipped and why under "skipped".
     `same_basis`: ORIGINAL's stream is already in CONVERTED's rotated basis (a rotated checkpoint's streamed way
     back, checked with the roles swapped: its weights keep the rotation), so a recorded rotation maps nothing.
     `direct_reads`: CONVERTED's weights read past the page cache (O_DIRECT; a streamed conversion's output, which
@@ -96,8 +99,11 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
 
     rotation, unrotate = ({}, None) if same_basis else _rotation(report, centered)
     raw_in = frozenset() if same_basis else _raw_input_blocks(report)
-    if rotation:  # every final norm's output lacks its γ/β (they are in the heads), as the in-memory check skips
-        skip = tuple(skip) + ("*last_hidden_state", "*hidden_states[-1]")
+    # rotated: a final norm's output lacking γ/β (in the heads) is skipped, a head-less final norm's (γ/β kept,
+    # un-rotated by its x·Qᵀ hook) compared unmapped, decided per pass by value as in memory (verify.FinalNorms)
+    final_norms = FinalNorms.of(report.structure) if rotation else None
+    skip = tuple(skip)
+    lacking_seen: set[str] = set()
     o_read, c_read = CheckpointReader(original_dir), CheckpointReader(converted_dir, direct=direct_reads)
     orig = build_skeleton(original_dir, names=set(o_read.files))
     conv = build_skeleton(converted_dir, report.structure if report is not None else None, names=set(c_read.files))
@@ -125,17 +131,20 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
         streamer.on_free = track.done
         if streamer is c_s:
             kw["rotation"], kw["raw_in"] = rotation, raw_in
+        hooks = final_norms if streamer is c_s and final_norms is not None else FinalNorms()
         try:
-            with _threads(threads), Pass(streamer, *units, **kw) as p:
+            with _threads(threads), Pass(streamer, *units, **kw) as p, hooks.hooked(streamer.model) as seen:
                 out = run_model(streamer.model, inputs)
         finally:
             streamer.on_free = None
+        lacking, unmapped = hooks.classify(out, seen)
+        lacking_seen.update(lacking)
         if streamer is c_s and unrotate is not None:  # stream outputs back in the original basis
-            out = {k: unrotate(k, v) for k, v in out.items()}
-        return p, out
+            out = {k: v if k in unmapped else unrotate(k, v) for k, v in out.items()}
+        return p, out, skip + skip_names(lacking)
 
     say("original in float64")
-    p_o64, exact = run(o_s, o_units, FP64, capture=True)
+    p_o64, exact, _ = run(o_s, o_units, FP64, capture=True)
     bad = [k for k, v in exact.items() if not bool(torch.isfinite(v).all())]
     if bad:
         raise NormfoldError(
@@ -145,21 +154,21 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
             "weights, or verify in memory: `normfold verify ORIGINAL CONVERTED --no-blockwise`.")
     ref = p_o64.captured
     say("converted in float64, block by block on the original's hidden states")
-    p_c64, out_c64 = run(c_s, c_units, FP64, forced=ref, map_center=True)
+    p_c64, out_c64, skip_c64 = run(c_s, c_units, FP64, forced=ref, map_center=True)
     say("converted in float64, heads on the original's last hidden states")
-    _, out_tail = run(c_s, c_units, FP64, replace=ref, replace_like=p_c64.free_out, map_center=True)
+    _, out_tail, skip_tail = run(c_s, c_units, FP64, replace=ref, replace_like=p_c64.free_out, map_center=True)
     say(f"original in {_dt(o_dtype)}")
-    p_ow, orig_w = run(o_s, o_units, o_dtype, forced=ref, map_center=False)
+    p_ow, orig_w, _ = run(o_s, o_units, o_dtype, forced=ref, map_center=False)
     say(f"converted in {_dt(c_dtype)}")
-    p_cw, conv_w = run(c_s, c_units, c_dtype, forced=ref, map_center=True)
+    p_cw, conv_w, skip_w = run(c_s, c_units, c_dtype, forced=ref, map_center=True)
     timer.say("comparisons", quiet=True)
     with _threads(1):
-        fp64, failed = _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered, skip, rotation,
-                                     raw_in)
+        fp64, failed = _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered, skip_c64,
+                                     rotation, raw_in, skip_tail)
         floor = tol if c_dtype == FP64 else ULP_FLOOR * dtype_eps(c_dtype)
-        base = {d.name: d for d in diff_outputs(orig_w, exact, skip, centered)}
+        base = {d.name: d for d in diff_outputs(orig_w, exact, skip_w, centered)}
         rows, working_ok = [], True
-        for d in diff_outputs(conv_w, exact, skip, centered):
+        for d in diff_outputs(conv_w, exact, skip_w, centered):
             b_rel = base[d.name].max_rel if d.name in base else 0.0
             ok = d.max_rel <= WORKING_FACTOR * b_rel + floor
             working_ok &= ok
@@ -167,7 +176,7 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
         if c_dtype != FP64:
             working_ok = explain_failures(rows, conv_w, exact, c_dtype)
         wblocks = _working_blocks(ref, p_ow, p_cw, floor, rotation)
-        direct = diff_outputs(conv_w, orig_w, skip, centered)
+        direct = diff_outputs(conv_w, orig_w, skip_w, centered)
         worst_direct = worst_of(direct)
         sizes = {"original": _sizes(o_s, o_units), "converted": _sizes(c_s, c_units)}
     timer.done()
@@ -182,6 +191,7 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
                     "blocks": wblocks},
         "baseline": {**worst_of(list(base.values())), "what": "original in its dtype vs itself in float64"},
         "inputs": describe_inputs(inputs),
+        "skipped": skipped_outputs(exact, skip_w, lacking_seen),
         "blockwise": {"blocks": len(blocks), "failed_blocks": failed,
                       "peak_weight_bytes": ledger.peak, "loads": ledger.loads,
                       "original_dtype": _dt(o_dtype), **sizes},
@@ -273,7 +283,7 @@ def _raw_input_blocks(report) -> frozenset:
 
 
 def _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered, skip=(),
-                  rotation=None, raw_in=frozenset()) -> tuple[dict, list[str]]:
+                  rotation=None, raw_in=frozenset(), skip_tail=None) -> tuple[dict, list[str]]:
     """float64: end to end, per block (on the original's inputs), the stream entering each stack
     (embeddings) and the outputs computed from the original's last hidden states (heads)."""
     d64 = diff_outputs(out_c64, exact, skip, centered)
@@ -294,7 +304,8 @@ def _fp64_section(ref, p_c64, out_c64, out_tail, exact, blocks, tol, centered, s
                            None if b in raw_in else rotation)
             emb_rows.append({**asdict(d), "passed": d.max_rel <= tol})
     head_rows = [{**asdict(d), "passed": d.max_rel <= tol}
-                 for d in diff_outputs(out_tail, exact, skip, centered) if "hidden_states" not in d.name]
+                 for d in diff_outputs(out_tail, exact, skip if skip_tail is None else skip_tail, centered)
+                 if "hidden_states" not in d.name]
     worst = worst_of(d64)
     ok = worst["max_rel_error"] <= tol and not failed and all(r["passed"] for r in emb_rows + head_rows)
     return ({**worst, "tolerance": tol, "passed": ok, "outputs": [asdict(d) for d in d64],
