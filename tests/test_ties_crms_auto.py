@@ -25,7 +25,7 @@ from auto_families import FAMILIES  # noqa: E402
 ADAPTER_CASES = [("gpt2", "tied", "GPT2LMHeadModel"), ("opt", "pre-ln", "OPTForCausalLM"),
                  ("whisper", "d32", "WhisperForConditionalGeneration"), ("bart", "d32", "BartForConditionalGeneration"),
                  ("bert", "base", "BertForMaskedLM")]
-GENERATES = {"gpt2", "opt", "bart", "mpt"}
+GENERATES = {"gpt2", "opt", "bart"}
 
 
 def build(family, example, head):
@@ -47,7 +47,7 @@ def assert_generate_unchanged(model, *others):
             assert torch.equal(other.generate(prompt, **kw), ref)
 
 
-def check_kept(model, conv, report, inputs, tmp_path, generate):
+def check_kept(model, conv, report, inputs, tmp_path, generate, reload_tol=1e-12):
     """The table one tensor, equal to the original, shared with the stock head; outputs exact; fewer parameters;
     save → normfold.load the same outputs; greedy generate() unchanged."""
     table = model.get_input_embeddings().weight
@@ -66,7 +66,7 @@ def check_kept(model, conv, report, inputs, tmp_path, generate):
     loaded = normfold.load(normfold.save(conv, report, tmp_path / "out"))
     assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
     for name, value in run_flat(loaded, inputs).items():
-        assert rel_err(value, got[name]) <= 1e-12, name
+        assert rel_err(value, got[name]) <= reload_tol, name
     if generate:
         assert_generate_unchanged(model, conv, loaded)
 
@@ -87,14 +87,22 @@ def test_auto_plan_keeps_the_tie_as_the_adapter_does(family, example, head, tmp_
         assert params(conv) == params(conv_a)
 
 
-def test_model_without_adapter_keeps_the_tie(tmp_path):
-    """MPT (no adapter, tied head): the plan the analysis derives is the only one; the entry is its first block."""
-    fam = next(f for f in FAMILIES if f.key == "mpt")
-    model = realistic(fam.build())
+@pytest.mark.parametrize("key,entry", [("mpt", "transformer.blocks.0"), ("codegen", "transformer.h.0"),
+                                       ("stablelm", "model.layers.0"), ("persimmon", "model.layers.0")])
+def test_model_without_adapter_keeps_the_tie(key, entry, tmp_path):
+    """Families without an adapter (MPT is tied by default; CodeGen, StableLM, Persimmon with
+    tie_word_embeddings=True): the plan the analysis derives is the only one; the entry is the first block."""
+    import dataclasses
+
+    fam = next(f for f in FAMILIES if f.key == key)
+    model = realistic(dataclasses.replace(fam, kwargs=dict(fam.kwargs, tie_word_embeddings=True)).build())
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     conv, report = normfold.convert(model, to="crmsnorm")
-    assert report.structure.compression["compress_before"] == ["transformer.blocks.0"]
-    check_kept(model, conv, report, modality_inputs(model), tmp_path, True)
+    assert report.adapter == "analysis"
+    assert report.structure.compression["compress_before"] == [entry]
+    # CodeGen's --to crmsnorm reload differs from the in-memory model by ~2e-11 with or without a tie (untied
+    # config: 1.9e-11 on main as well): not this form's doing, so only that comparison is looser there
+    check_kept(model, conv, report, modality_inputs(model), tmp_path, True, 1e-10 if key == "codegen" else 1e-12)
 
 
 def test_no_entry_in_the_plan_keeps_the_untied_form_and_says_why():
