@@ -90,6 +90,55 @@ def tie_entry(adapter: str, stream: str) -> str | None:
     return entry.get(stream) if isinstance(entry, dict) else entry
 
 
+_BLOCK_LIST = re.compile(r"^(.*?)\.(\d+)(\.|$)")
+
+
+def derived_tie_entries(plan: ConversionPlan, stream: StreamPlan) -> tuple[list[str] | None, str]:
+    """(entries, why not) of a stream of a plan derived from the analysis (`plan.adapter == "analysis"`, no
+    TIE_ENTRY): read from the plan, in the order the analysis lists the stream's writers and norms, i.e. the
+    analysis' own finding of which writers each foldable norm's input sums. Full paths. Two shapes qualify:
+
+    * one Pre-LN block list: every writer outside a block (the summed embeddings) comes before the first block
+      writer, every block writer and every non-final norm lies in one block list (`<prefix>.<i>`) and the first
+      norm sits in the first block: the entry is that block (GPT-2, OPT, GPT-NeoX, Phi, the Whisper decoder,
+      MPT ...);
+    * embedding norms only (Post-LN models, whose block norms the analysis keeps): no writer in a block, every
+      norm of the stream is outside the blocks (each then gets the recentre-and-compress op on its own input,
+      RMSNorm(Recenter(x)) = LN(x) whatever the writers), and each embedding writer lies under exactly one
+      norm's parent module: the entries are those norms (BART's encoder and decoder layernorm_embedding, BERT's
+      embeddings.LayerNorm).
+
+    Then the summed embeddings reach nothing but the entry's input before a norm (the analysis centred them for
+    these norms only), which is where `keep_ties_compressed` recentres and compresses. A plan with a Recenter,
+    or any other shape, gives None and `why` (the caller keeps the untied form)."""
+    if any(st.recenter_after or st.recenter_before for st in plan.streams):
+        return None, "the plan has an explicit Recenter"
+    writers = list(stream.writers)
+    first = next((i for i, w in enumerate(writers) if _BLOCK.search(w)), None)
+    inner = [n.path for n in stream.norms if not n.final]
+    if first is None:
+        outside = [n.path for n in stream.norms if not _BLOCK.search(n.path)]  # final: they keep γ/β
+        if not outside or len(outside) != len(stream.norms):
+            return None, "the stream has no block writer and norms other than embedding norms"
+        owners = {w: [n for n in outside if w.startswith(n.rpartition(".")[0] + ".")] for w in writers}
+        if any(len(o) != 1 for o in owners.values()) or any(n not in {o[0] for o in owners.values()}
+                                                              for n in outside):
+            return None, "its embedding writers do not sit one-to-one under its embedding norms' modules"
+        return outside, ""
+    if any(not _BLOCK.search(w) for w in writers[first:]):
+        return None, "a writer outside the blocks comes after the first block (more than one token stream)"
+    lists = {_BLOCK_LIST.match(w).group(1) for w in writers[first:]}
+    lists |= {_BLOCK_LIST.match(n).group(1) if _BLOCK_LIST.match(n) else n for n in inner}
+    if len(lists) != 1:
+        return None, f"its writers and norms span {len(lists)} block lists or stand outside the blocks " \
+                     f"({', '.join(sorted(lists))})"
+    m = _BLOCK_LIST.match(writers[first])
+    entry = f"{m.group(1)}.{m.group(2)}"
+    if not inner or not inner[0].startswith(entry + "."):
+        return None, f"its first norm is not in its first block {entry}"
+    return [entry], ""
+
+
 def keep_ties_compressed(model: nn.Module, plan: ConversionPlan, options, moved: list[str]) -> ConversionPlan:
     """crmsnorm's `Variant.keep_ties` (see `convert.recentre_tied_tables`): each stream holding a tied table
     `moved` is compressed where its summed embeddings enter what reads them (a recentre-and-compress op on the
@@ -103,27 +152,44 @@ def keep_ties_compressed(model: nn.Module, plan: ConversionPlan, options, moved:
     from ..report import TIE_NOTE
 
     opts = options.target_options() if hasattr(options, "target_options") else dict(options.variant_options or {})
-    if opts.get("pad") or plan.adapter not in TIE_ENTRY:
+    derived = plan.adapter == "analysis"
+    if opts.get("pad") or (plan.adapter not in TIE_ENTRY and not derived):
         return plan
     holding = [st for st in plan.streams if any(t in st.writers for t in moved)]
-    if any(tie_entry(plan.adapter, st.name) is None for st in holding):
-        return plan  # a stream without a known entry: the tie cannot be kept in every stream it feeds
+    entries = {}
+    for st in holding:
+        if derived:
+            entry, why = derived_tie_entries(plan, st)
+            if entry is None:
+                plan = copy.copy(plan)
+                plan.notes = list(plan.notes) + [
+                    f"tie not kept by --to crmsnorm ({', '.join(moved)}): no entry point for the summed embeddings "
+                    f"could be read from the derived plan: {why}; the table is centred and compressed "
+                    "as any writer (the head tied to the compressed table, untied, or refused, as without an entry)"]
+                return plan
+            entries[st.name] = entry
+        else:
+            entry = tie_entry(plan.adapter, st.name)
+            if entry is None:
+                return plan  # a stream without a known entry: the tie cannot be kept in every stream it feeds
+            entries[st.name] = [join(base_prefix(model), entry)]
     streams, done, compressed, recentred = [], [], [], []
     for st in plan.streams:
         if st not in holding:
             streams.append(st)
             continue
-        entry = join(base_prefix(model), tie_entry(plan.adapter, st.name))
         embeds = [w for w in st.writers if not _BLOCK.search(w)]  # summed before the entry
         streams.append(dataclasses.replace(st, writers=[w for w in st.writers if w not in embeds],
-                                           recenter_before=list(st.recenter_before) + [entry]))
-        (recentred if entry in st.recenter_after else compressed).append(entry)
+                                           recenter_before=list(st.recenter_before) + entries[st.name]))
+        for entry in entries[st.name]:
+            (recentred if entry in st.recenter_after else compressed).append(entry)
         done += [t for t in moved if t in st.writers]
     plan = copy.copy(plan)
     plan.streams = streams
     # the adapter's notes that assumed centred tables (post_ln: "... is tied to ...; centring it unties them",
     # inputs_embeds as rows of the centred table) no longer hold: the tables are not edited, the op recentres
     plan.notes = [n for n in plan.notes if not any(n.startswith(f"{t} is tied to ") for t in done)
+                  and not n.startswith("tied parameters untied so the writers can be centred")
                   and not n.startswith("inputs_embeds passed by the caller must be rows of the (centred)")]
     where = []
     if compressed:
