@@ -40,8 +40,8 @@ def _finite_check(dtype: torch.dtype, name: str):
 
 # output files written with O_DIRECT (safetensors_io.SequentialFile; NORMFOLD_STREAM_DIRECT=0 turns it off)
 DIRECT = os.environ.get("NORMFOLD_STREAM_DIRECT", "1") != "0"
-# output directories whose weight files were written with O_DIRECT only (none of their pages cached): the
-# block-wise verification of a streamed output reads them the same way (`written_direct`)
+# output directories whose weight files were written with O_DIRECT only (none of their pages cached); the CLI's
+# block-wise verification reads them plainly all the same (faster: docs/large-checkpoints.md)
 WRITTEN_DIRECT: set[str] = set()
 
 
