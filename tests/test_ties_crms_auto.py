@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 sys.path.insert(0, str(Path(__file__).resolve().parent / "analysis"))
 from auto_families import FAMILIES  # noqa: E402
+from test_ties_crms import assert_generate_unchanged  # noqa: E402
 
 ADAPTER_CASES = [("gpt2", "tied", "GPT2LMHeadModel"), ("opt", "pre-ln", "OPTForCausalLM"),
                  ("whisper", "d32", "WhisperForConditionalGeneration"), ("bart", "d32", "BartForConditionalGeneration"),
@@ -36,15 +37,6 @@ def build(family, example, head):
 
 def params(model):
     return sum(p.numel() for p in model.parameters())
-
-
-def assert_generate_unchanged(model, *others):
-    prompt = torch.randint(1, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
-    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
-    with torch.no_grad():
-        ref = model.generate(prompt, **kw)
-        for other in others:
-            assert torch.equal(other.generate(prompt, **kw), ref)
 
 
 def check_kept(model, conv, report, inputs, tmp_path, generate, reload_tol=1e-12):
