@@ -156,9 +156,9 @@ def test_rotation_is_refused_where_it_has_no_form(tmp_path):
         nftrain.prepare(gpt2(), options=ConvertOptions(rotate="hadamard"))
     gpt2(torch.float32).save_pretrained(tmp_path / "src")
     (tmp_path / "out").mkdir()
-    # the stream rotates (tests/stream/test_stream_rotate.py) but has no form of the online Hadamard, nor of a
-    # rotated Pre-CRMSNorm model
-    for opts in (ConvertOptions(rotate="hadamard", rotate_online=True), ConvertOptions(rotate="hadamard", to="crmsnorm")):
+    # the stream rotates, online Hadamard included (tests/stream/test_stream_rotate.py), but has no form of a
+    # rotated Pre-CRMSNorm model, nor of online ops without the rotation
+    for opts in (ConvertOptions(rotate="hadamard", to="crmsnorm"), ConvertOptions(rotate_online=True)):
         with pytest.raises(StreamUnsupportedError, match="rotate"):
             stream_convert(tmp_path / "src", tmp_path / "out", options=opts)
     assert list((tmp_path / "out").iterdir()) == []  # refused before anything was written
