@@ -40,15 +40,6 @@ def _finite_check(dtype: torch.dtype, name: str):
 
 # output files written with O_DIRECT (safetensors_io.SequentialFile; NORMFOLD_STREAM_DIRECT=0 turns it off)
 DIRECT = os.environ.get("NORMFOLD_STREAM_DIRECT", "1") != "0"
-# output directories whose weight files were written with O_DIRECT only (none of their pages cached); the CLI's
-# block-wise verification reads them plainly all the same (faster: docs/large-checkpoints.md)
-WRITTEN_DIRECT: set[str] = set()
-
-
-def written_direct(out) -> bool:
-    """Whether this process wrote every weight file of `out` with O_DIRECT (`SequentialFile`)."""
-    return str(Path(out).resolve()) in WRITTEN_DIRECT
-
 
 PREFETCH = 1  # components read ahead of the one being computed
 # computed tensors waiting for the writer, at most (then the compute waits): 64 MB keeps the writer busy (a
@@ -237,8 +228,6 @@ def write_checkpoint(out: Path, files, outputs, owner, comps, computer: Computer
             os.close(raw_fd)
     if pending:
         raise NormfoldError(f"internal: computed tensors never written: {sorted(pending)[:5]}")
-    if sinks and not any(s.fell_back for s in sinks):
-        WRITTEN_DIRECT.add(str(Path(out).resolve()))
     return {"files": [f for f, *_ in layouts], "weight_map": weight_map, "total_size": total, "digests": digests}
 
 
