@@ -49,6 +49,7 @@ from .memory import BufferPool, Ledger
 from .passes import Pass, block_diff, stream_in, to_stream
 from .progress import PassProgress
 from .reader import CheckpointReader
+from .readahead import enabled as readahead_enabled
 from .skeleton import build_skeleton, checkpoint_keys, find_units
 from .streamer import Streamer
 
@@ -65,7 +66,7 @@ FP64 = torch.float64
 def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.PathLike, *, inputs: dict | None = None,
                      seed: int = 0, centered=None, progress: Callable[[str], None] | None = None,
                      fp64_tol: float | None = None, skip=(), same_basis: bool = False,
-                     direct_reads: bool = False) -> dict:
+                     direct_reads: bool = False, readahead: bool | None = None) -> dict:
     """`normfold verify ORIGINAL CONVERTED`'s checks in bounded memory; returns the same dict as
     `verify.compare_models(...).to_dict()` plus per-block results (see the module docstring).
 
@@ -80,7 +81,9 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     `same_basis`: ORIGINAL's stream is already in CONVERTED's rotated basis (a rotated checkpoint's streamed way
     back, checked with the roles swapped: its weights keep the rotation), so a recorded rotation maps nothing.
     `direct_reads`: CONVERTED's weights read past the page cache (O_DIRECT; a streamed conversion's output, which
-    its writer wrote that way, is not cached: see safetensors_io.read_into)."""
+    its writer wrote that way, is not cached: see safetensors_io.read_into).
+    `readahead`: while a block computes, the next block's stored tensors are read on a background thread
+    (`stream.readahead`; the same bytes, so the same result); default NORMFOLD_VERIFY_READAHEAD (on unless 0)."""
     from ..io import REPORT_FILE, inspect_converted
 
     original_dir, converted_dir = Path(original_dir), Path(converted_dir)
@@ -111,7 +114,8 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
         raise NormfoldError(f"ORIGINAL is a {type(orig).__name__} but CONVERTED is a {type(conv).__name__}")
     o_dtype, c_dtype = o_read.dtype(), c_read.dtype()
     ledger = Ledger()
-    o_s, c_s = Streamer(orig, o_read, o_dtype, ledger), Streamer(conv, c_read, c_dtype, ledger)
+    ahead = readahead_enabled(readahead)
+    o_s, c_s = Streamer(orig, o_read, o_dtype, ledger, ahead), Streamer(conv, c_read, c_dtype, ledger, ahead)
     if inputs is None:
         inputs = _example_inputs(orig, seed)
     o_units, c_units = find_units(orig), find_units(conv)

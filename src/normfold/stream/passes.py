@@ -137,6 +137,9 @@ class Pass:
                 self.row_chunked[path] = slot
                 module.forward = _rows_forward(self.s, path, slot, type(module).forward.__get__(module))
             self._hook(module, path, block=False)
+        if self.replace is None:  # each block's successor in its stack, read ahead while it computes
+            self.s.next_unit = {a: b for a, b in zip(self.blocks, self.blocks[1:])
+                                if a.rpartition(".")[0] == b.rpartition(".")[0]}
         for path in self.blocks:
             block = model.get_submodule(path)
             if self.replace is not None:
@@ -147,6 +150,7 @@ class Pass:
         return self
 
     def __exit__(self, *exc):
+        self.s.end_read_ahead()  # nothing left reading, also when the forward raised
         for h in self._handles:
             h.remove()
         for path in list(self.blocks) + list(self.row_chunked):

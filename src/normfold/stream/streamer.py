@@ -9,10 +9,11 @@ import torch
 from torch import Tensor, nn
 
 from ..compress.runtime import TiedCompressedHead
-from ..errors import CheckpointError
+from ..errors import CheckpointError, NormfoldError
 from ..nn import TiedHead
 from .memory import BufferPool, Ledger, return_freed_memory
 from .reader import CheckpointReader
+from .readahead import ReadAhead
 from .skeleton import checkpoint_keys, placeholder
 
 
@@ -20,8 +21,13 @@ from .skeleton import checkpoint_keys, placeholder
 class Streamer:
     """Loads the weights of one unit (a module) before its forward and drops them after it."""
 
-    def __init__(self, model: nn.Module, reader: CheckpointReader, dtype: torch.dtype, ledger: Ledger) -> None:
+    def __init__(self, model: nn.Module, reader: CheckpointReader, dtype: torch.dtype, ledger: Ledger,
+                 readahead: bool = False) -> None:
+        """`readahead`: while a block computes, the next block of its stack (`next_unit`, set by the pass) is read
+        on a background thread (stream/readahead.py); the same bytes, so the same results."""
         self.model, self.reader, self.dtype, self.ledger = model, reader, dtype, ledger
+        self.ahead = ReadAhead(reader) if readahead else None
+        self.next_unit: dict[str, str] = {}  # block -> the block loaded after it (read ahead while it computes)
         # Tied weights appear once in a checkpoint: every name of a shared parameter is an alias.
         aliases: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -58,6 +64,7 @@ class Streamer:
         """Every parameter becomes a placeholder of `dtype`; floating buffers are cast to it. Freed weights
         are kept for reuse up to the largest of `pool_units` in this dtype (see BufferPool; none by default)."""
         self.dtype = dtype
+        self.end_read_ahead()
         self.pool.clear()
         self.reusable.clear()
         for module, pname, shape, _ in self.slots.values():
@@ -68,6 +75,14 @@ class Streamer:
                 if b is not None and b.is_floating_point():
                     module._buffers[bname] = b.to(dtype)
         self.pool.budget = max((self.nbytes(u) for u in pool_units), default=0)
+        if self.ahead is not None:  # one unit's stored tensors, read ahead
+            self.ahead.pool.budget = max((self.stored_nbytes(u) for u in pool_units), default=0)
+
+    def end_read_ahead(self) -> None:
+        """End of a pass (also on an error): no read in flight, no thread, no read-ahead buffers kept."""
+        self.next_unit = {}
+        if self.ahead is not None:
+            self.ahead.close()
 
     def unit_slots(self, path: str) -> list[str]:
         """The parameters a unit needs: those of its subtree and of modules it references without
@@ -94,6 +109,16 @@ class Streamer:
         size = torch.tensor([], dtype=self.dtype).element_size()
         return sum(math.prod(self.slots[f][2]) * size for f in self.unit_slots(path))
 
+    def stored_nbytes(self, path: str) -> int:
+        """Bytes the unit's parameters take as stored in the checkpoint."""
+        n = 0
+        for full in self.unit_slots(path):
+            key = next((self.keymap[x] for x in self.slots[full][3] if x in self.keymap), None)
+            if key is not None:
+                shape, dtype = self.reader.info(key)
+                n += math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+        return n
+
     def load(self, path: str) -> int:
         """Materialize the unit's parameters (in the current dtype); returns their bytes. A unit in
         `lookup_rows` is an embedding looked up at those token ids only: just those rows are read (the rest
@@ -101,8 +126,9 @@ class Streamer:
         with self.reader.session():
             return self._load(path, self.lookup_rows.pop(path, None), self.skip.pop(path, None))
 
-    def _load(self, path: str, rows: Tensor | None = None, skip: str | None = None) -> int:
-        n = 0
+    def _wanted(self, path: str, skip: str | None = None) -> list[tuple]:
+        """(slot, checkpoint key, shape, stored dtype, dtype loaded) of the unit's parameters, checked against
+        the checkpoint's headers."""
         wanted = []
         for full in self.unit_slots(path):
             if full == skip:
@@ -118,9 +144,34 @@ class Streamer:
                                       f"model built from config.json expects {shape}")
             dtype = self.dtype if stored_dtype.is_floating_point else stored_dtype
             wanted.append((full, key, shape, stored_dtype, dtype))
+        return wanted
+
+    def _load(self, path: str, rows: Tensor | None = None, skip: str | None = None) -> int:
+        n = 0
+        wanted = self._wanted(path, skip)
+        # read ahead while the previous block computed (the same bytes): in the stored dtype they are the
+        # parameters; cast, they are copied into this pass's pooled buffers and handed back for the next read
+        ahead = self.ahead.take(path) if self.ahead is not None else None
+        if ahead is not None and (rows is not None or skip is not None):  # not a whole unit: read as usual
+            for t in ahead.values():
+                self.ahead.pool.give(t)
+            ahead = None
         # buffers freed by the previous unit of the same shapes (the next block) are refilled; anything else in
         # the pool is dropped before new memory is taken, so the pool never adds to a larger unit's peak
-        bufs = [self.pool.take(shape, dtype) if rows is None else None for _, _, shape, _, dtype in wanted]
+        bufs = [self.pool.take(shape, dtype) if rows is None and (ahead is None or dtype != stored) else None
+                for _, _, shape, stored, dtype in wanted]
+        if ahead is not None:
+            for i, (full, _, shape, stored, dtype) in enumerate(wanted):
+                raw = ahead[full]
+                if dtype == stored:
+                    bufs[i] = raw
+                    continue
+                if bufs[i] is None:
+                    bufs[i] = torch.empty(shape, dtype=dtype)
+                bufs[i].copy_(raw)
+                self.ahead.pool.give(raw)
+        if rows is None and skip is None:
+            self._read_ahead(path)  # the next block, beside this one's compute (takes from the pool first)
         if self.pool.bytes:  # what this unit did not take (the stack ended): handed back
             self.pool.clear()
             return_freed_memory()
@@ -128,20 +179,32 @@ class Streamer:
             module, pname = self.slots[full][:2]
             if buf is None:
                 buf = torch.empty(shape, dtype=dtype)
-            if rows is not None and len(shape) == 2:
-                self.reader.get_rows(key, rows, dtype, buf)
-                n += len(rows) * buf[0].numel() * buf.element_size()  # the rest is never touched
-                module._parameters[pname] = nn.Parameter(buf, requires_grad=False)
-                continue
-            if dtype != stored_dtype:
-                self.reader.get_as(key, dtype, out=buf)
-            else:
-                self.reader.get(key, out=buf)
+            if ahead is None:  # (else filled above)
+                if rows is not None and len(shape) == 2:
+                    self.reader.get_rows(key, rows, dtype, buf)
+                    n += len(rows) * buf[0].numel() * buf.element_size()  # the rest is never touched
+                    module._parameters[pname] = nn.Parameter(buf, requires_grad=False)
+                    continue
+                if dtype != stored_dtype:
+                    self.reader.get_as(key, dtype, out=buf)
+                else:
+                    self.reader.get(key, out=buf)
             self.reusable.add(buf.data_ptr())
             module._parameters[pname] = nn.Parameter(buf, requires_grad=False)
             n += buf.numel() * buf.element_size()
         self.ledger.add(n)
         return n
+
+    def _read_ahead(self, path: str) -> None:
+        """Start reading the unit loaded after `path` (its next block), if any, on the read-ahead thread."""
+        nxt = self.next_unit.get(path) if self.ahead is not None else None
+        if nxt is None:
+            return
+        try:
+            wanted = self._wanted(nxt)
+        except NormfoldError:
+            return  # its own load raises this, in its turn
+        self.ahead.start(nxt, [(full, key, shape, stored) for full, key, shape, stored, _ in wanted], self.pool.take)
 
     def row_chunked(self, path: str, module: nn.Module) -> str | None:
         """The weight slot of a head to run in row chunks, or None. A plain nn.Linear, nn.TiedHead or
