@@ -99,6 +99,76 @@ def test_a_read_failing_on_the_readahead_thread_raises_as_without_it(tmp_path, m
     assert failed_on[0] == "MainThread" and failed_on[1].startswith("normfold-readahead"), failed_on
 
 
+def _large_head(tmp_path, monkeypatch, dtype=None):
+    """A GPT-2 whose tied head (3001 × width) is larger than a block: it runs over row chunks in every pass, here
+    200 rows each (15 chunks: the last one 201 rows), so its chunks are read ahead too."""
+    import normfold
+    import transformers
+    from helpers import realistic
+    from normfold.adapters import get_adapter
+    from normfold.stream.streamer import Streamer
+
+    ex = get_adapter("gpt2").examples[0]
+    torch.manual_seed(0)
+    model = realistic(transformers.GPT2LMHeadModel(transformers.GPT2Config(**dict(ex.kwargs, vocab_size=3001))).eval())
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(tmp_path / "orig", max_shard_size="40KB")
+    conv, report = normfold.convert(model, verify=False)
+    normfold.save(conv, report, tmp_path / "conv")
+    run_rows = Streamer.run_rows
+
+    def small_chunks(self, path, slot, forward, args, kwargs, chunk_bytes=1 << 24):
+        return run_rows(self, path, slot, forward, args, kwargs,
+                        chunk_bytes=self.reader.info(self.keymap["transformer.wte.weight"])[0][1]
+                        * torch.tensor([], dtype=self.dtype).element_size() * 200)
+
+    monkeypatch.setattr(Streamer, "run_rows", small_chunks)
+    return tmp_path / "orig", tmp_path / "conv"
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_head_row_chunks_read_ahead_change_no_number(tmp_path, monkeypatch, dtype):
+    orig, conv = _large_head(tmp_path, monkeypatch, dtype)
+    chunks, rows_reader = [], readahead._Rows._read
+
+    def counted(self, a, b, out):
+        chunks.append((a, b, threading.current_thread().name))
+        return rows_reader(self, a, b, out)
+
+    monkeypatch.setattr(readahead._Rows, "_read", counted)
+    on = verify_blockwise(orig, conv, readahead=True)
+    assert len(chunks) == 5 * 15 and all(n.startswith("normfold-readahead") for *_, n in chunks)
+    assert sorted({(a, b) for a, b, _ in chunks})[-1][1] == 3001
+    off = verify_blockwise(orig, conv, readahead=False)
+    assert on == off and on["passed"]
+    assert _threads_left() == []
+
+
+def test_a_head_chunk_failing_on_the_readahead_thread_raises_as_without_it(tmp_path, monkeypatch):
+    orig, conv = _large_head(tmp_path, monkeypatch)
+    entry = CheckpointReader(conv)._info("transformer.wte.weight")
+    row = entry.nbytes // 3001
+    read_into = safetensors_io.read_into
+    failed_on = []
+
+    def failing(path, start, out, direct=False):
+        if path == entry.file and start == entry.start + 1000 * row:  # the 6th chunk (rows 1000..1199)
+            failed_on.append(threading.current_thread().name)
+            raise OSError(errno.EIO, "Input/output error")
+        return read_into(path, start, out, direct=direct)
+
+    monkeypatch.setattr(safetensors_io, "read_into", failing)
+    errors = {}
+    for on in (False, True):
+        with pytest.raises(CheckpointError) as exc:
+            verify_blockwise(orig, conv, readahead=on)
+        errors[on] = str(exc.value)
+        assert _threads_left() == []
+    assert errors[True] == errors[False] and "Input/output error" in errors[True]
+    assert failed_on[0] == "MainThread" and failed_on[1].startswith("normfold-readahead"), failed_on
+
+
 def test_switch(tmp_path, monkeypatch):
     orig, _, sharded = make(tmp_path, "gpt2", head="GPT2LMHeadModel")
     started = []

@@ -111,6 +111,13 @@ class ReadAhead:
         for buf in job.bufs:
             self.pool.give(buf)
 
+    def reader_for_rows(self, key: str, dtype: torch.dtype, chunks: list[tuple[int, int]], shape: tuple) -> "_Rows":
+        """Row chunks (a, b) of tensor `key` (stored `dtype`, `shape`) read one ahead of their use (`get(j)`)."""
+        self.cancel()
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="normfold-readahead")
+        return _Rows(self, key, dtype, chunks, shape)
+
     def close(self) -> None:
         """End of a pass: nothing in flight, no thread left, no buffers kept."""
         self.cancel()
@@ -118,3 +125,43 @@ class ReadAhead:
             self._executor.shutdown(wait=True)
             self._executor = None
         self.pool.clear()
+
+
+
+class _Rows:
+    """A head's row chunks read one ahead (Streamer.run_rows): chunk j + 1 is read into the other of two buffers
+    while chunk j is used. `get(j)` waits for chunk j (its error raised there) and starts chunk j + 1."""
+
+    def __init__(self, owner: ReadAhead, key: str, dtype: torch.dtype, chunks: list, shape: tuple) -> None:
+        self.owner, self.key, self.chunks = owner, key, chunks
+        most = max(b - a for a, b in chunks)
+        self.bufs = [torch.empty((most, *shape[1:]), dtype=dtype) for _ in range(min(2, len(chunks)))]
+        self.cancel = threading.Event()
+        self.futures: dict[int, object] = {}
+        self._submit(0)
+
+    def _submit(self, j: int) -> None:
+        if j < len(self.chunks):
+            a, b = self.chunks[j]
+            out = self.bufs[j % 2][:b - a]
+            self.futures[j] = self.owner._executor.submit(self._read, a, b, out)
+
+    def _read(self, a: int, b: int, out: Tensor) -> None:
+        if not self.cancel.is_set():
+            self.owner.reader.get_as(self.key, out.dtype, out=out, rows=(a, b))  # straight into `out`: no cast
+
+    def get(self, j: int) -> Tensor:
+        self.futures.pop(j).result()
+        self._submit(j + 1)  # into the other buffer, used by chunk j - 1, which is done
+        a, b = self.chunks[j]
+        return self.bufs[j % 2][:b - a]
+
+    def close(self) -> None:
+        self.cancel.set()
+        for f in self.futures.values():
+            try:
+                f.result()
+            except Exception:  # noqa: BLE001 - a chunk nobody uses
+                pass
+        self.futures.clear()
+        self.bufs = []

@@ -246,14 +246,28 @@ class Streamer:
         buf = torch.empty((min(step, rows), *shape[1:]), dtype=self.dtype)
         nbytes = buf.numel() * size
         self.ledger.add(nbytes)
+        chunks = []
+        for a in range(0, rows, step):
+            b = min(rows, a + step)
+            if b == rows - 1 and b > a + 1:  # no one-row last chunk
+                b = rows
+            chunks.append((a, b))
+            if b == rows:
+                break
+        # read-ahead: chunk j + 1 read (stored dtype) on the read-ahead thread while chunk j computes, two
+        # chunk buffers in turn; cast into `buf` here, or used as they are in a pass in the stored dtype
+        stored = self.reader.info(key)[1]
+        ahead = self.ahead.reader_for_rows(key, stored, chunks, shape) if self.ahead is not None else None
         out = None
         try:
-            for a in range(0, rows, step):
-                b = min(rows, a + step)
-                if b == rows - 1 and b > a + 1:  # no one-row last chunk
-                    b = rows
-                w = self.reader.get_as(key, self.dtype, out=buf[:b - a] if b - a <= buf.shape[0] else None,
-                                       rows=(a, b))
+            for j, (a, b) in enumerate(chunks):
+                if ahead is None:
+                    w = self.reader.get_as(key, self.dtype, out=buf[:b - a] if b - a <= buf.shape[0] else None,
+                                           rows=(a, b))
+                else:
+                    w = ahead.get(j)
+                    if stored != self.dtype:
+                        w = (buf[:b - a] if b - a <= buf.shape[0] else torch.empty_like(w, dtype=self.dtype)).copy_(w)
                 module._parameters[pname] = nn.Parameter(w, requires_grad=False)
                 for f in per_row:
                     m, pn = self.slots[f][:2]
@@ -262,9 +276,9 @@ class Streamer:
                 if out is None:
                     out = y.new_empty(*y.shape[:-1], rows)
                 out[..., a:b] = y
-                if b == rows:
-                    break
         finally:
+            if ahead is not None:
+                ahead.close()
             for f, p in saved.items():
                 m, pn = self.slots[f][:2]
                 m._parameters[pn] = p
