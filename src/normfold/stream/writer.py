@@ -155,6 +155,7 @@ def write_checkpoint(out: Path, files, outputs, owner, comps, computer: Computer
     total = 0
     raw_fds: list[int] = []
     sinks: list[st.SequentialFile] = []
+    finished: list[tuple] = []  # (file name, its HashingSink, its descriptor), digested after the last write
     io_ = _Writer()
     ok = False
 
@@ -215,10 +216,14 @@ def write_checkpoint(out: Path, files, outputs, owner, comps, computer: Computer
                 weight_map[name] = fname
                 total += nbytes
                 progress.add(nbytes)
-            io_.drain()  # the file written and hashed: its last block written, then its digest
-            sink.close()
-            digest(fname, fd, raw_fd)
+            # the file's last block written by the writer thread after its other writes (no drain here: the
+            # next file's first components are computed while this one's last bytes are written and hashed);
+            # its digest once everything is written
+            io_.write(st.SequentialFile.close, sink)
+            finished.append((fname, fd, raw_fd))
         io_.drain()
+        for fname, fd, raw_fd in finished:
+            digest(fname, fd, raw_fd)
         ok = True
     finally:
         io_.close(ok)  # waits for running jobs (and drops queued ones on failure) before the files close
