@@ -95,21 +95,49 @@ def test_a_filesystem_refusing_o_direct_at_open_gets_plain_writes(tmp_path, monk
 
 
 @pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
-def test_a_filesystem_refusing_a_direct_write_gets_the_rest_written_plainly(tmp_path, monkeypatch):
+@pytest.mark.parametrize("refused", [1, 2])  # full buffers are written by the flusher thread: its first or second
+def test_a_filesystem_refusing_a_direct_write_gets_the_rest_written_plainly(tmp_path, monkeypatch, refused):
     real_pwrite = os.pwrite
     calls = {"direct": 0}
 
-    def refuse_second_direct_write(fd, data, offset):
+    def refuse_a_direct_write(fd, data, offset):
         if fcntl_flags(fd) & os.O_DIRECT:
             calls["direct"] += 1
-            if calls["direct"] == 2:
+            if calls["direct"] == refused:
                 raise OSError(errno.EINVAL, "refused")
         return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(os, "pwrite", refuse_second_direct_write)
+    monkeypatch.setattr(os, "pwrite", refuse_a_direct_write)
     pieces = _pieces(3)
+    pieces.insert(2, torch.arange(2 * st.STAGE_BYTES + 5, dtype=torch.int64).to(torch.uint8))  # a buffer behind
     _write(tmp_path / "d.bin", pieces)
     assert (tmp_path / "d.bin").read_bytes() == _expected(pieces)
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
+def test_a_failed_direct_write_in_the_flusher_thread_is_raised(tmp_path, monkeypatch):
+    real_pwrite = os.pwrite
+
+    def disk_full(fd, data, offset):
+        if fcntl_flags(fd) & os.O_DIRECT:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", disk_full)
+    fd = os.open(tmp_path / "e.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        f = st.SequentialFile(fd, tmp_path / "e.bin", 3 * st.STAGE_BYTES, direct=True)
+        if not f.direct:
+            pytest.skip("this filesystem refuses O_DIRECT")
+        with pytest.raises(OSError) as info:
+            st.write_tensor(f, torch.zeros(3 * st.STAGE_BYTES, dtype=torch.uint8), 0)
+            f.close()
+        assert info.value.errno == errno.ENOSPC
+        with pytest.raises(OSError):  # closing writes what is staged: the disk is still full, and it says so
+            f.close()
+        assert f.dfd is None and f.flusher is None and f.stage is None  # but everything is released
+    finally:
+        os.close(fd)
 
 
 def fcntl_flags(fd: int) -> int:

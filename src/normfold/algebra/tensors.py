@@ -106,8 +106,12 @@ def fold_affine(weight: Tensor, bias: Tensor | None, gamma: Tensor | None, beta:
     """
     if weight.dim() != 2:
         raise ValueError(f"fold_affine expects a 2-D weight, got shape {tuple(weight.shape)}")
-    w64 = _buffer("w64", weight, torch.float64) if weight.dtype != torch.float64 else None
-    w64 = _f64(weight) if w64 is None else w64.copy_(weight.detach())
+    # γ folded in float32 (below) where that is exact: then the float64 copy only serves βW
+    f32_gamma = gamma is not None and weight.dtype == torch.float32 and gamma.dtype == torch.float32
+    w64 = None
+    if beta is not None or (gamma is not None and not f32_gamma):
+        w64 = _buffer("w64", weight, torch.float64) if weight.dtype != torch.float64 else None
+        w64 = _f64(weight) if w64 is None else w64.copy_(weight.detach())
     in_dim = in_dim % 2
     new_b = None
     if beta is not None:
@@ -116,6 +120,15 @@ def fold_affine(weight: Tensor, bias: Tensor | None, gamma: Tensor | None, beta:
         new_b = new_b.to(bias.dtype if bias is not None else weight.dtype)
     elif bias is not None:
         new_b = bias.detach().clone()
+    if f32_gamma:
+        # W·diag(γ) straight in float32: the product of two float32 numbers is exact in float64 (24 + 24 bits of
+        # significand), so rounding it once to float32 is IEEE float32 multiplication, correctly rounded: the
+        # same bits as the float64 product cast back, in one float32 pass instead of a float64 multiply and cast
+        shape = [1, 1]
+        shape[in_dim] = -1
+        out = _buffer("out", weight, weight.dtype)
+        g = gamma.detach().reshape(shape)
+        return (weight.detach() * g if out is None else torch.mul(weight.detach(), g, out=out)), new_b
     if gamma is not None:
         shape = [1, 1]
         shape[in_dim] = -1
@@ -123,6 +136,8 @@ def fold_affine(weight: Tensor, bias: Tensor | None, gamma: Tensor | None, beta:
         # in place on our own float64 copy (one weight-sized float64 temporary, not two); a float64 weight is
         # its own `w64` and must not change
         w64 = w64.mul_(g) if w64.data_ptr() != weight.data_ptr() else w64 * g
+    if w64 is None:  # neither γ nor β: the weight unchanged
+        return weight.detach().clone(), new_b
     out = _buffer("out", weight, weight.dtype) if weight.dtype != torch.float64 else None
     return (w64.to(weight.dtype) if out is None else out.copy_(w64)), new_b
 

@@ -202,8 +202,7 @@ class Computer:
             return False
         flat = weight.data.reshape(-1, weight.shape[-1])
         with torch.no_grad():
-            for a, b in row_chunks(flat.shape[0], CHUNK_BYTES // 8 // max(1, weight.shape[-1])):
-                flat[a:b] = center_writer_rows(flat[a:b])
+            center_rows_in_place(flat, CHUNK_BYTES // 8 // max(1, weight.shape[-1]), self.scratch)
             if bias is not None:
                 bias.copy_(_center_bias(bias))
         return True
@@ -230,6 +229,28 @@ def row_chunks(n: int, rows: int) -> list[tuple[int, int]]:
         bounds[-2:] = [(bounds[-2][0], n)]
     return bounds
 
+
+
+def center_rows_in_place(flat: torch.Tensor, rows: int, scratch: dict | None = None) -> None:
+    """Each row of the 2-D `flat` minus its mean, in place, in chunks of about `rows` rows through one reused
+    float64 buffer: the values of `algebra.center(flat, -1)` (the same float64 copy, mean, subtraction and one
+    rounding, `copy_` casting as `.to` does; each row's mean is its own), without a fresh float64 tensor, its
+    centred copy and a rounded copy per chunk (three allocations and two more passes). `scratch`: where the
+    buffer is kept from call to call."""
+    if flat.dtype == torch.float64 or not flat.is_floating_point() or not flat.is_contiguous():
+        for a, b in row_chunks(flat.shape[0], rows):
+            flat[a:b] = center_writer_rows(flat[a:b])
+        return
+    bounds = row_chunks(flat.shape[0], rows)
+    need = max(b - a for a, b in bounds) * flat.shape[1]
+    scratch = {} if scratch is None else scratch
+    buf = scratch.get("center64")
+    if buf is None or buf.numel() < need:
+        buf = scratch["center64"] = torch.empty(need, dtype=torch.float64)
+    for a, b in bounds:
+        t64 = buf[:(b - a) * flat.shape[1]].view(b - a, flat.shape[1]).copy_(flat[a:b])
+        t64.sub_(t64.mean(dim=-1, keepdim=True))
+        flat[a:b].copy_(t64)
 
 
 def center_writer_rows(rows: torch.Tensor) -> torch.Tensor:

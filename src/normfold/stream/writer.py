@@ -155,6 +155,7 @@ def write_checkpoint(out: Path, files, outputs, owner, comps, computer: Computer
     total = 0
     raw_fds: list[int] = []
     sinks: list[st.SequentialFile] = []
+    finished: list[tuple] = []  # (file name, its HashingSink, its descriptor), digested after the last write
     io_ = _Writer()
     ok = False
 
@@ -209,16 +210,21 @@ def write_checkpoint(out: Path, files, outputs, owner, comps, computer: Computer
                     info = source.tensors[names[name]]
                     # the hasher reads the same bytes from the source (page cache) as the writer copies them
                     io_.write(st.copy_range, info.file, info.start, nbytes, sink, base + offset,
-                              _finite_check(o.dtype, names[name]), nbytes=nbytes,  # bounds how far ahead
+                              _finite_check(o.dtype, names[name]), nbytes=min(nbytes, st.CHUNK),
                               hash_job=(_hash_range, fd, info.file, info.start, nbytes, base + offset))
-                    # the progress line counts (a copy holds no tensor: 8 MB chunks)
+                    # a copy holds one 8 MB chunk, not the tensor: it counts as that in the write queue, so the
+                    # next components are computed while a large one (the embedding table) is copied and hashed
                 weight_map[name] = fname
                 total += nbytes
                 progress.add(nbytes)
-            io_.drain()  # the file written and hashed: its last block written, then its digest
-            sink.close()
-            digest(fname, fd, raw_fd)
+            # the file's last block written by the writer thread after its other writes (no drain here: the
+            # next file's first components are computed while this one's last bytes are written and hashed);
+            # its digest once everything is written
+            io_.write(st.SequentialFile.close, sink)
+            finished.append((fname, fd, raw_fd))
         io_.drain()
+        for fname, fd, raw_fd in finished:
+            digest(fname, fd, raw_fd)
         ok = True
     finally:
         io_.close(ok)  # waits for running jobs (and drops queued ones on failure) before the files close
@@ -285,7 +291,9 @@ def write_streamed(out: Path, files, outputs, owner, comps, values, names, sourc
     """Write a streamed conversion's weights (freed memory reused up to the largest source shard), its
     config / tokenizer files, and its report (digests, time, verification pending); returns the report."""
     largest = max(p.stat().st_size for p in source.shards)
-    with st.reuse_freed_memory(budget=largest):
+    # the budget: the largest shard's worth of recycled tensors, plus the write queue and the staging buffers
+    # beside them (with the largest shard alone, the heap was trimmed at 12-32 of 46 components and re-faulted)
+    with st.reuse_freed_memory(budget=largest + WRITE_QUEUE_BYTES):
         written = write_checkpoint(out, files, outputs, owner, comps, values, names, source, say)
     write_aux(out, model, source.path, report, written)
     report.weight_files = written["digests"]
