@@ -257,7 +257,8 @@ def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float 
     rotate = options.rotate if options is not None else None
     # rotated: the final norms' outputs lacking γ/β are skipped, the exact ones compared (verify.FinalNorms; the
     # block-wise verifier decides the same from normfold.json)
-    final_norms = FinalNorms.of(report.structure) if rotate is not None else None
+    final_norms = (FinalNorms.of(report.structure) if rotate is not None
+                   else FinalNorms.folded(report.structure) if fold_final else None)
     if final_norms is not None:
         skip = ()
     if open_source(source_dir).total_bytes > VERIFY_IN_MEMORY_BYTES:
@@ -270,7 +271,7 @@ def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float 
         # (not inside safetensors_io.reuse_freed_memory: its peak, the float64 embedding table, is one unit, and
         # keeping freed memory within budget saved little system time there: 9.6 -> 8.2 s, 1215 -> 1247 MB)
         report.verification = verify_blockwise(source_dir, out_dir, seed=seed, progress=progress,
-                                               fp64_tol=None if fp64_tol == 1e-9 else fp64_tol, skip=skip)
+                                               fp64_tol=None if fp64_tol == 1e-9 else fp64_tol, fold_final=fold_final)
         # buffered reads, although the output was written past the page cache: O_DIRECT reads are synchronous and
         # made the verification 5.3-6.1 -> 9.5-9.9 s on the 1.68 GB checkpoint (quiet, 2026-11-28), buffered 6.9-7.2 s
     else:
