@@ -66,20 +66,9 @@ def is_reverse(source_dir: Path) -> bool:
 
 
 def _prepare_reverse(args, source_dir: Path):
-    """`prepare_reverse`'s checks, and one of the CLI's: a reverse output is verified block by block with the
-    roles swapped (the streamed LayerNorm model as ORIGINAL, read as a stock checkpoint), so above
-    VERIFY_IN_MEMORY_BYTES the output must be stock-reloadable (no added biases)."""
-    src_report, *_, source = prepare_reverse(source_dir, args.to)
-    if args.to == "rmsnorm" and src_report.structure.tied_heads and source.total_bytes > VERIFY_IN_MEMORY_BYTES:
-        raise StreamUnsupportedError(
-            f"{source_dir} keeps heads tied to centred tables ({', '.join(t['head'] for t in src_report.structure.tied_heads)}): "
-            "its Pre-RMSNorm form loads with normfold.load only, and the block-wise verifier (which checks streamed "
-            f"outputs above {VERIFY_IN_MEMORY_BYTES // 1024**2} MB) reads the decompressed model as a stock checkpoint")
-    if src_report.structure.added_bias and source.total_bytes > VERIFY_IN_MEMORY_BYTES:
-        raise StreamUnsupportedError(
-            f"{source_dir} holds biases the conversion added ({', '.join(src_report.structure.added_bias[:3])}): its "
-            "LayerNorm form loads with normfold.load only, and the block-wise verifier (which checks streamed "
-            f"outputs above {VERIFY_IN_MEMORY_BYTES // 1024**2} MB) reads the LayerNorm model as a stock checkpoint")
+    """`prepare_reverse`'s checks. Above VERIFY_IN_MEMORY_BYTES a reverse output is verified block by block with
+    the roles swapped, its own normfold.json structure (added biases, heads tied to centred tables) replayed."""
+    src_report, *_ = prepare_reverse(source_dir, args.to)
     return src_report
 
 

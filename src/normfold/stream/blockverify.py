@@ -108,7 +108,10 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     skip = tuple(skip)
     lacking_seen: set[str] = set()
     o_read, c_read = CheckpointReader(original_dir), CheckpointReader(converted_dir, direct=direct_reads)
-    orig = build_skeleton(original_dir, names=set(o_read.files))
+    # ORIGINAL may be a normfold checkpoint too (a reverse conversion's output checked with the roles swapped: added
+    # biases, heads tied to centred tables): its structure is replayed as well
+    o_report = inspect_converted(original_dir)[0] if os.path.lexists(original_dir / REPORT_FILE) else None
+    orig = build_skeleton(original_dir, o_report.structure if o_report is not None else None, names=set(o_read.files))
     conv = build_skeleton(converted_dir, report.structure if report is not None else None, names=set(c_read.files))
     if type(orig).__name__ != type(conv).__name__:
         raise NormfoldError(f"ORIGINAL is a {type(orig).__name__} but CONVERTED is a {type(conv).__name__}")
