@@ -296,8 +296,9 @@ def verify_reverse(source_dir: Path, out_dir: Path, report, *, fp64_tol: float =
     to VERIFY_IN_MEMORY_BYTES: in memory, as the in-memory reverse conversion verifies itself
     (`compress.reverse.convert_converted`: the source against the output, float64 re-conversion, plus its
     input-rounding allowance). Larger ones: block by block with the roles swapped: the output (a plain LayerNorm
-    model, stock checkpoint; a stock-reloadable Pre-RMSNorm output is read as one too: its tensors are those of
-    its LayerNorm form, which computes the same function on its zero-mean stream) is ORIGINAL, the normfold
+    model; a Pre-RMSNorm output: its tensors are those of its LayerNorm form, which computes the same function on
+    its zero-mean stream; either one's normfold.json structure, added biases or centred tied tables, is replayed
+    by the verifier) is ORIGINAL, the normfold
     source (its structure replayed from normfold.json) is CONVERTED, exactly the pair a forward
     conversion verifies. Each source block runs on the output's hidden states; streams are compared centred
     (the output's stream carries the tied table's row means again, the source's does not; both models' norms
