@@ -841,7 +841,9 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
         skip = ("last_hidden_state", "hidden_states[-1]") if fold_final else ()
         # rotated: a final norm's output is skipped where its γ/β went into the heads (rotated basis, lacking them)
         # and compared where a head-less final norm kept them (un-rotated by its x·Qᵀ hook): verify.FinalNorms
-        final_norms = FinalNorms.of(report.structure) if rotate is not None else None
+        # --fold-final alone: the folded final norms' outputs are found by value the same way (FinalNorms.folded)
+        final_norms = (FinalNorms.of(report.structure) if rotate is not None
+                       else FinalNorms.folded(report.structure) if fold_final else None)
         if final_norms is not None:
             skip = ()
         output_map = (ROTATOR["rotator"].output_map(report.structure.rotation, centered_outputs(plan))

@@ -291,6 +291,16 @@ class FinalNorms:
                         if not r.weight and not _IN_BLOCK.search(r.name) and r.name not in exact)
         return cls(lacking, exact)
 
+    @classmethod
+    def folded(cls, structure) -> "FinalNorms":
+        """`--fold-final` without a rotation: the final norms outside the blocks whose γ went into the heads
+        (`folded_into` recorded, no weight left). Their output lacks γ, so an output equal to it (by value, as
+        `of` decides for a rotated model) is skipped, and every other output compared: a head holding a wrong
+        γ changes the logits, which are compared. Empty (everything compared) when no final norm was folded (a
+        tied head keeps the final norm's γ without --untie)."""
+        norms = structure.norms if structure is not None else ()
+        return cls(tuple(r.name for r in norms if not r.weight and r.folded_into and not _IN_BLOCK.search(r.name)), ())
+
     @contextlib.contextmanager
     def hooked(self, model: nn.Module):
         seen: dict[str, list[Tensor]] = {}

@@ -135,18 +135,23 @@ def test_what_does_not_stream_back(tmp_path, capsys, what, extra):
     assert code == 0 and not _streamed(report)
 
 
-def test_added_bias_above_the_threshold_is_refused_by_name(tmp_path, capsys, monkeypatch):
-    """A source with biases the conversion added loads back with normfold.load only; the block-wise verifier
-    reads the way back as a stock checkpoint, so above the in-memory threshold it does not stream."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_added_bias_above_the_threshold_streams_block_by_block(tmp_path, capsys, monkeypatch, dtype):
+    """A source with biases the conversion added loads back with normfold.load only; above the in-memory threshold
+    the block-wise verifier replays the way back's own normfold.json structure (its added biases) on ORIGINAL, so
+    it streams with --stream auto (the default) and always, verified block by block, the in-memory path's bytes."""
     from normfold.cli import convert_stream as stream_cli
 
-    _, rms = _rms(tmp_path, "opt", "OPTForCausalLM", allow_new_bias=True, fold_final=True)
+    _, rms = _rms(tmp_path, "opt", "OPTForCausalLM", dtype=dtype, allow_new_bias=True, fold_final=True)
     if not json.loads((rms / "normfold.json").read_text())["structure"].get("added_bias"):
         pytest.skip("this source gained no bias")
     monkeypatch.setattr(stream_cli, "VERIFY_IN_MEMORY_BYTES", 0)
-    code = main(["convert", str(rms), "--to", "layernorm", "--out", str(tmp_path / "o"), "--stream", "always", "-q"])
-    err = capsys.readouterr().err
-    assert code == 2 and "added" in err and not (tmp_path / "o").exists()
+    code, report = _convert([str(rms), "--to", "layernorm", "--out", str(tmp_path / "o"), "--stream", "auto"], capsys)
+    assert code == 0 and _streamed(report) and report["verification"]["passed"] is True
+    assert "blockwise" in report["verification"] and report["stock_reloadable"] is False
+    code, mem = _convert([str(rms), "--to", "layernorm", "--out", str(tmp_path / "mem"), "--stream", "never"], capsys)
+    assert code == 0 and not _streamed(mem)
+    assert tensors_bytes(tmp_path / "o") == tensors_bytes(tmp_path / "mem")
 
 
 def _tied_scale_rms(tmp_path, dtype=torch.float32, allow_new_bias=False):
@@ -173,6 +178,8 @@ def _tied_scale_rms(tmp_path, dtype=torch.float32, allow_new_bias=False):
 
 def _new_way_back_source(tmp_path, family, head, case, dtype=torch.float32):
     """(normfold checkpoint, --to) for each way back this file tests beyond the plain ones."""
+    if case.startswith("tied-bias"):  # an added bias on the tied head: verified block by block above the threshold
+        return _tied_scale_rms(tmp_path, dtype, allow_new_bias=True)[1], "layernorm"
     if case.startswith("tied"):
         return _tied_scale_rms(tmp_path, dtype)[1], "layernorm"
     if case.startswith("rotated"):
@@ -222,6 +229,7 @@ def test_cli_new_ways_back_stream_verify_and_match_every_mode(tmp_path, capsys, 
 @pytest.mark.parametrize("blockwise", [False, True], ids=["in-memory-verify", "blockwise-verify"])
 @pytest.mark.parametrize("case,target", [("crmsnorm-to-rmsnorm", "h.1.mlp.c_proj.weight"),
                                          ("tied-scale-to-layernorm", "lm_head.weight"),
+                                         ("tied-bias-to-layernorm", "lm_head.bias"),
                                          ("rotated-hadamard-to-layernorm", "h.1.mlp.c_proj.weight")])
 def test_cli_new_ways_back_catch_a_wrong_tensor(tmp_path, capsys, monkeypatch, case, target, blockwise):
     """A streamed way back that wrote one wrong tensor (a restored writer of the decompression, the untied head
@@ -255,23 +263,22 @@ def test_cli_new_ways_back_catch_a_wrong_tensor(tmp_path, capsys, monkeypatch, c
     assert not (tmp_path / "st").exists()
 
 
-def test_tied_head_with_an_added_bias_streams_below_the_threshold_only(tmp_path, capsys, monkeypatch):
-    """A tied head holding γ and an added bias streams back (verified in memory: the output loads with
-    normfold.load only); above the in-memory threshold --stream always refuses it by name and auto converts it
-    in memory, with the same bytes."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tied_head_with_an_added_bias_streams_above_the_threshold(tmp_path, capsys, monkeypatch, dtype):
+    """A tied head holding γ and an added bias streams back at any size: in memory below the threshold, block by
+    block above it (the output's normfold.json structure replayed on ORIGINAL), with the in-memory bytes."""
     from normfold.cli import convert_stream as stream_cli
 
-    _, conv = _tied_scale_rms(tmp_path, allow_new_bias=True)
+    _, conv = _tied_scale_rms(tmp_path, dtype=dtype, allow_new_bias=True)
     code, report = _convert([str(conv), "--to", "layernorm", "--out", str(tmp_path / "st")], capsys)
     assert code == 0 and _streamed(report) and report["verification"]["passed"] is True
     assert report["stock_reloadable"] is False
     monkeypatch.setattr(stream_cli, "VERIFY_IN_MEMORY_BYTES", 0)
-    code = main(["convert", str(conv), "--to", "layernorm", "--out", str(tmp_path / "o"), "--stream", "always", "-q"])
-    err = capsys.readouterr().err
-    assert code == 2 and "added" in err and not (tmp_path / "o").exists()
-    code, mem = _convert([str(conv), "--to", "layernorm", "--out", str(tmp_path / "mem")], capsys)
+    code, big = _convert([str(conv), "--to", "layernorm", "--out", str(tmp_path / "o"), "--stream", "always"], capsys)
+    assert code == 0 and _streamed(big) and big["verification"]["passed"] is True and "blockwise" in big["verification"]
+    code, mem = _convert([str(conv), "--to", "layernorm", "--out", str(tmp_path / "mem"), "--stream", "never"], capsys)
     assert code == 0 and not _streamed(mem)
-    assert tensors_bytes(tmp_path / "st") == tensors_bytes(tmp_path / "mem")
+    assert tensors_bytes(tmp_path / "st") == tensors_bytes(tmp_path / "mem") == tensors_bytes(tmp_path / "o")
 
 
 @pytest.mark.parametrize("stream", ["always", "auto"])
@@ -291,3 +298,23 @@ def test_explicitly_rotated_checkpoint_is_refused_back(tmp_path, capsys, stream)
     assert code == 2 and "explicit / online rotation" in err and "Traceback" not in err
     assert err.strip().count("\n") == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("to", ["rmsnorm", "layernorm"])
+def test_crms_with_an_added_bias_streams_back_block_by_block(tmp_path, capsys, monkeypatch, dtype, to):
+    """A Pre-CRMSNorm GPT-2 whose head gained a bias (--fold-final --allow-new-bias) streams back --to rmsnorm and
+    --to layernorm above the in-memory threshold with --stream auto: verified block by block (the output's
+    normfold.json structure replayed on ORIGINAL), the in-memory path's bytes."""
+    from normfold.cli import convert_stream as stream_cli
+
+    _, crms = _rms(tmp_path, "gpt2", "GPT2LMHeadModel", dtype=dtype, to="crmsnorm", fold_final=True,
+                   allow_new_bias=True)
+    assert json.loads((crms / "normfold.json").read_text())["structure"]["added_bias"]
+    monkeypatch.setattr(stream_cli, "VERIFY_IN_MEMORY_BYTES", 0)
+    code, report = _convert([str(crms), "--to", to, "--out", str(tmp_path / "o")], capsys)
+    assert code == 0 and _streamed(report) and report["verification"]["passed"] is True
+    assert "blockwise" in report["verification"]
+    code, mem = _convert([str(crms), "--to", to, "--out", str(tmp_path / "mem"), "--stream", "never"], capsys)
+    assert code == 0 and not _streamed(mem)
+    assert tensors_bytes(tmp_path / "o") == tensors_bytes(tmp_path / "mem")

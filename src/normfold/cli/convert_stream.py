@@ -66,20 +66,9 @@ def is_reverse(source_dir: Path) -> bool:
 
 
 def _prepare_reverse(args, source_dir: Path):
-    """`prepare_reverse`'s checks, and one of the CLI's: a reverse output is verified block by block with the
-    roles swapped (the streamed LayerNorm model as ORIGINAL, read as a stock checkpoint), so above
-    VERIFY_IN_MEMORY_BYTES the output must be stock-reloadable (no added biases)."""
-    src_report, *_, source = prepare_reverse(source_dir, args.to)
-    if args.to == "rmsnorm" and src_report.structure.tied_heads and source.total_bytes > VERIFY_IN_MEMORY_BYTES:
-        raise StreamUnsupportedError(
-            f"{source_dir} keeps heads tied to centred tables ({', '.join(t['head'] for t in src_report.structure.tied_heads)}): "
-            "its Pre-RMSNorm form loads with normfold.load only, and the block-wise verifier (which checks streamed "
-            f"outputs above {VERIFY_IN_MEMORY_BYTES // 1024**2} MB) reads the decompressed model as a stock checkpoint")
-    if src_report.structure.added_bias and source.total_bytes > VERIFY_IN_MEMORY_BYTES:
-        raise StreamUnsupportedError(
-            f"{source_dir} holds biases the conversion added ({', '.join(src_report.structure.added_bias[:3])}): its "
-            "LayerNorm form loads with normfold.load only, and the block-wise verifier (which checks streamed "
-            f"outputs above {VERIFY_IN_MEMORY_BYTES // 1024**2} MB) reads the LayerNorm model as a stock checkpoint")
+    """`prepare_reverse`'s checks. Above VERIFY_IN_MEMORY_BYTES a reverse output is verified block by block with
+    the roles swapped, its own normfold.json structure (added biases, heads tied to centred tables) replayed."""
+    src_report, *_ = prepare_reverse(source_dir, args.to)
     return src_report
 
 
@@ -257,7 +246,8 @@ def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float 
     rotate = options.rotate if options is not None else None
     # rotated: the final norms' outputs lacking γ/β are skipped, the exact ones compared (verify.FinalNorms; the
     # block-wise verifier decides the same from normfold.json)
-    final_norms = FinalNorms.of(report.structure) if rotate is not None else None
+    final_norms = (FinalNorms.of(report.structure) if rotate is not None
+                   else FinalNorms.folded(report.structure) if fold_final else None)
     if final_norms is not None:
         skip = ()
     if open_source(source_dir).total_bytes > VERIFY_IN_MEMORY_BYTES:
@@ -270,7 +260,7 @@ def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float 
         # (not inside safetensors_io.reuse_freed_memory: its peak, the float64 embedding table, is one unit, and
         # keeping freed memory within budget saved little system time there: 9.6 -> 8.2 s, 1215 -> 1247 MB)
         report.verification = verify_blockwise(source_dir, out_dir, seed=seed, progress=progress,
-                                               fp64_tol=None if fp64_tol == 1e-9 else fp64_tol, skip=skip)
+                                               fp64_tol=None if fp64_tol == 1e-9 else fp64_tol, fold_final=fold_final)
         # buffered reads, although the output was written past the page cache: O_DIRECT reads are synchronous and
         # made the verification 5.3-6.1 -> 9.5-9.9 s on the 1.68 GB checkpoint (quiet, 2026-11-28), buffered 6.9-7.2 s
     else:
@@ -306,8 +296,9 @@ def verify_reverse(source_dir: Path, out_dir: Path, report, *, fp64_tol: float =
     to VERIFY_IN_MEMORY_BYTES: in memory, as the in-memory reverse conversion verifies itself
     (`compress.reverse.convert_converted`: the source against the output, float64 re-conversion, plus its
     input-rounding allowance). Larger ones: block by block with the roles swapped: the output (a plain LayerNorm
-    model, stock checkpoint; a stock-reloadable Pre-RMSNorm output is read as one too: its tensors are those of
-    its LayerNorm form, which computes the same function on its zero-mean stream) is ORIGINAL, the normfold
+    model; a Pre-RMSNorm output: its tensors are those of its LayerNorm form, which computes the same function on
+    its zero-mean stream; either one's normfold.json structure, added biases or centred tied tables, is replayed
+    by the verifier) is ORIGINAL, the normfold
     source (its structure replayed from normfold.json) is CONVERTED, exactly the pair a forward
     conversion verifies. Each source block runs on the output's hidden states; streams are compared centred
     (the output's stream carries the tied table's row means again, the source's does not; both models' norms

@@ -65,7 +65,7 @@ FP64 = torch.float64
 
 def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.PathLike, *, inputs: dict | None = None,
                      seed: int = 0, centered=None, progress: Callable[[str], None] | None = None,
-                     fp64_tol: float | None = None, skip=(), same_basis: bool = False,
+                     fp64_tol: float | None = None, skip=(), same_basis: bool = False, fold_final: bool = False,
                      direct_reads: bool = False, readahead: bool | None = None) -> dict:
     """`normfold verify ORIGINAL CONVERTED`'s checks in bounded memory; returns the same dict as
     `verify.compare_models(...).to_dict()` plus per-block results (see the module docstring).
@@ -75,7 +75,8 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     forward kwargs (default: the adapter's example inputs for `seed`). `progress(message)` is called
     as each pass starts. `fp64_tol` defaults to compare_models' (`verify.stored_weights_tolerance` of
     the stored dtype). `skip`: outputs left out of every comparison, as in `verify.diff_outputs` (the final
-    norm's output when its γ went into the head, `--fold-final`: 'last_hidden_state', 'hidden_states[-1]'). A
+    norm's output, by name). `fold_final`: CONVERTED was made with `--fold-final`: the outputs equal to a folded
+    final norm's (γ in the heads, `verify.FinalNorms.folded`) are found by value and skipped, the rest compared. A
     rotated CONVERTED needs none: the final-norm outputs lacking γ/β are found by value and skipped, the exact
     ones compared (`verify.FinalNorms`), and the result lists what was skipped and why under "skipped".
     `same_basis`: ORIGINAL's stream is already in CONVERTED's rotated basis (a rotated checkpoint's streamed way
@@ -104,11 +105,16 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     raw_in = frozenset() if same_basis else _raw_input_blocks(report)
     # rotated: a final norm's output lacking γ/β (in the heads) is skipped, a head-less final norm's (γ/β kept,
     # un-rotated by its x·Qᵀ hook) compared unmapped, decided per pass by value as in memory (verify.FinalNorms)
-    final_norms = FinalNorms.of(report.structure) if rotation else None
+    # --fold-final (not rotated): the folded final norms' outputs, found by value the same way (FinalNorms.folded)
+    final_norms = (FinalNorms.of(report.structure) if rotation
+                   else FinalNorms.folded(report.structure) if fold_final and report is not None else None)
     skip = tuple(skip)
     lacking_seen: set[str] = set()
     o_read, c_read = CheckpointReader(original_dir), CheckpointReader(converted_dir, direct=direct_reads)
-    orig = build_skeleton(original_dir, names=set(o_read.files))
+    # ORIGINAL may be a normfold checkpoint too (a reverse conversion's output checked with the roles swapped: added
+    # biases, heads tied to centred tables): its structure is replayed as well
+    o_report = inspect_converted(original_dir)[0] if os.path.lexists(original_dir / REPORT_FILE) else None
+    orig = build_skeleton(original_dir, o_report.structure if o_report is not None else None, names=set(o_read.files))
     conv = build_skeleton(converted_dir, report.structure if report is not None else None, names=set(c_read.files))
     if type(orig).__name__ != type(conv).__name__:
         raise NormfoldError(f"ORIGINAL is a {type(orig).__name__} but CONVERTED is a {type(conv).__name__}")
