@@ -79,22 +79,8 @@ def test_a_read_failing_on_the_readahead_thread_raises_as_without_it(tmp_path, m
     orig, conv, sharded = make(tmp_path, "gpt2", dtype=dtype, head="GPT2LMHeadModel")
     key = "transformer.h.1.mlp.c_fc.weight"
     entry = CheckpointReader(sharded)._info(key)
-    failed_on = []
-    read_into = safetensors_io.read_into
-
-    def failing(path, start, out, direct=False):
-        if path == entry.file and start == entry.start:
-            failed_on.append(threading.current_thread().name)
-            raise OSError(errno.EIO, "Input/output error")
-        return read_into(path, start, out, direct=direct)
-
-    monkeypatch.setattr(safetensors_io, "read_into", failing)
-    errors = {}
-    for on in (False, True):
-        with pytest.raises(CheckpointError) as exc:
-            verify_blockwise(orig, sharded, readahead=on)
-        errors[on] = str(exc.value)
-        assert _threads_left() == []
+    failed_on = _fail_read_at(monkeypatch, entry.file, entry.start)
+    errors = _errors_on_and_off(orig, sharded)
     assert errors[True] == errors[False] and "Input/output error" in errors[True] and entry.file.name in errors[True]
     assert failed_on[0] == "MainThread" and failed_on[1].startswith("normfold-readahead"), failed_on
 
@@ -149,22 +135,8 @@ def test_a_head_chunk_failing_on_the_readahead_thread_raises_as_without_it(tmp_p
     orig, conv = _large_head(tmp_path, monkeypatch)
     entry = CheckpointReader(conv)._info("transformer.wte.weight")
     row = entry.nbytes // 3001
-    read_into = safetensors_io.read_into
-    failed_on = []
-
-    def failing(path, start, out, direct=False):
-        if path == entry.file and start == entry.start + 1000 * row:  # the 6th chunk (rows 1000..1199)
-            failed_on.append(threading.current_thread().name)
-            raise OSError(errno.EIO, "Input/output error")
-        return read_into(path, start, out, direct=direct)
-
-    monkeypatch.setattr(safetensors_io, "read_into", failing)
-    errors = {}
-    for on in (False, True):
-        with pytest.raises(CheckpointError) as exc:
-            verify_blockwise(orig, conv, readahead=on)
-        errors[on] = str(exc.value)
-        assert _threads_left() == []
+    failed_on = _fail_read_at(monkeypatch, entry.file, entry.start + 1000 * row)  # the 6th chunk (rows 1000..1199)
+    errors = _errors_on_and_off(orig, conv)
     assert errors[True] == errors[False] and "Input/output error" in errors[True]
     assert failed_on[0] == "MainThread" and failed_on[1].startswith("normfold-readahead"), failed_on
 
@@ -182,3 +154,29 @@ def test_switch(tmp_path, monkeypatch):
     monkeypatch.setenv("NORMFOLD_VERIFY_READAHEAD", "yes")
     with pytest.raises(NormfoldError, match="NORMFOLD_VERIFY_READAHEAD"):
         verify_blockwise(orig, sharded)
+
+
+def _fail_read_at(monkeypatch, file, start) -> list[str]:
+    """Make the read of `file` at byte `start` fail with EIO; returns the names of the threads it failed on."""
+    failed_on = []
+    read_into = safetensors_io.read_into
+
+    def failing(path, at, out, direct=False):
+        if path == file and at == start:
+            failed_on.append(threading.current_thread().name)
+            raise OSError(errno.EIO, "Input/output error")
+        return read_into(path, at, out, direct=direct)
+
+    monkeypatch.setattr(safetensors_io, "read_into", failing)
+    return failed_on
+
+
+def _errors_on_and_off(orig, conv) -> dict[bool, str]:
+    """verify_blockwise's CheckpointError message with read-ahead off and on; no thread left after either."""
+    errors = {}
+    for on in (False, True):
+        with pytest.raises(CheckpointError) as exc:
+            verify_blockwise(orig, conv, readahead=on)
+        errors[on] = str(exc.value)
+        assert _threads_left() == []
+    return errors
