@@ -838,19 +838,16 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
             variant.apply(m, adapter.plan(m), options, scratch)
             return m.eval()
 
-        skip = ("last_hidden_state", "hidden_states[-1]") if fold_final else ()
         # rotated: a final norm's output is skipped where its γ/β went into the heads (rotated basis, lacking them)
         # and compared where a head-less final norm kept them (un-rotated by its x·Qᵀ hook): verify.FinalNorms
         # --fold-final alone: the folded final norms' outputs are found by value the same way (FinalNorms.folded)
         final_norms = (FinalNorms.of(report.structure) if rotate is not None
                        else FinalNorms.folded(report.structure) if fold_final else None)
-        if final_norms is not None:
-            skip = ()
         output_map = (ROTATOR["rotator"].output_map(report.structure.rotation, centered_outputs(plan))
                       if rotate is not None else None)
         report.verification = verify_conversion(
             original, target, inputs, reconvert=reconvert if variant.exact else None, fp64_tol=fp64_tol,
-            skip=skip, centered=centered_outputs(plan), output_map=output_map, final_norms=final_norms,
+            centered=centered_outputs(plan), output_map=output_map, final_norms=final_norms,
             consume_original=discard_original and not inplace).to_dict()
         report.seconds["verify"] = round(time.perf_counter() - t1, 3)
     return target, report

@@ -242,14 +242,11 @@ def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float 
     from ..report import ConversionReport
     from ..verify import FinalNorms, verify_conversion
 
-    skip = ("last_hidden_state", "hidden_states[-1]") if fold_final else ()  # γ went into the head
     rotate = options.rotate if options is not None else None
     # rotated: the final norms' outputs lacking γ/β are skipped, the exact ones compared (verify.FinalNorms; the
     # block-wise verifier decides the same from normfold.json)
     final_norms = (FinalNorms.of(report.structure) if rotate is not None
                    else FinalNorms.folded(report.structure) if fold_final else None)
-    if final_norms is not None:
-        skip = ()
     if open_source(source_dir).total_bytes > VERIFY_IN_MEMORY_BYTES:
         # too big to hold twice: block by block, each converted block on the original's hidden states
         from ..stream.blockverify import verify_blockwise
@@ -285,7 +282,7 @@ def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float 
         centered = centered_outputs(adapter.plan(original))
         output_map = ROTATOR["rotator"].output_map(report.structure.rotation, centered) if rotate else None
         report.verification = verify_conversion(original, converted, inputs, reconvert=reconvert, fp64_tol=fp64_tol,
-                                                skip=skip, centered=centered, output_map=output_map,
+                                                centered=centered, output_map=output_map,
                                                 final_norms=final_norms).to_dict()
     (Path(out_dir) / io.REPORT_FILE).write_text(report.to_json() + "\n")
 

@@ -85,8 +85,6 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     its writer wrote that way, is not cached: see safetensors_io.read_into).
     `readahead`: while a block computes, the next block's stored tensors are read on a background thread
     (`stream.readahead`; the same bytes, so the same result); default NORMFOLD_VERIFY_READAHEAD (on unless 0)."""
-    from ..io import REPORT_FILE, inspect_converted
-
     original_dir, converted_dir = Path(original_dir), Path(converted_dir)
     for d in (original_dir, converted_dir):
         if not d.is_dir() or not (d / "config.json").is_file():
@@ -95,7 +93,7 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
                                   "or verify in memory (`normfold verify --no-blockwise`).")
     # a normfold checkpoint: path policy, report schema, and its structure against config.json and the
     # weights' headers, all before anything is built (as normfold.load checks it)
-    report = inspect_converted(converted_dir)[0] if os.path.lexists(converted_dir / REPORT_FILE) else None
+    report = _report_of(converted_dir)
     if centered is None:
         centered = tuple(report.centered_outputs) if report is not None and report.centered_outputs else CENTERED_OUTPUTS
     timer = _PassTimer(progress, getattr(progress, "work", None))
@@ -113,7 +111,7 @@ def verify_blockwise(original_dir: str | os.PathLike, converted_dir: str | os.Pa
     o_read, c_read = CheckpointReader(original_dir), CheckpointReader(converted_dir, direct=direct_reads)
     # ORIGINAL may be a normfold checkpoint too (a reverse conversion's output checked with the roles swapped: added
     # biases, heads tied to centred tables): its structure is replayed as well
-    o_report = inspect_converted(original_dir)[0] if os.path.lexists(original_dir / REPORT_FILE) else None
+    o_report = _report_of(original_dir)
     orig = build_skeleton(original_dir, o_report.structure if o_report is not None else None, names=set(o_read.files))
     conv = build_skeleton(converted_dir, report.structure if report is not None else None, names=set(c_read.files))
     if type(orig).__name__ != type(conv).__name__:
@@ -262,6 +260,15 @@ class _PassTimer:
             print(f"verify pass {time.perf_counter() - self.t0:6.2f} s wall, {time.process_time() - self.c0:6.2f} s "
                   f"CPU: {self.step}", file=sys.stderr, flush=True)
         self.step = None
+
+
+
+def _report_of(model_dir: Path):
+    """The normfold report of `model_dir` (path policy, schema and structure checked against config.json and the
+    weights' headers, as normfold.load checks it), or None for a stock checkpoint."""
+    from ..io import REPORT_FILE, inspect_converted
+
+    return inspect_converted(model_dir)[0] if os.path.lexists(model_dir / REPORT_FILE) else None
 
 
 

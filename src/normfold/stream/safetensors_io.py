@@ -378,10 +378,7 @@ def _take_stage() -> tuple:
 
 
 def _give_stage(stage: tuple) -> None:
-    _unmap(stage)
-
-
-def _unmap(stage: tuple) -> None:
+    """A staging buffer from `_take_stage` unmapped (now, or with the last view still alive)."""
     raw, buf = stage
     del buf, stage
     with contextlib.suppress(BufferError):  # a view still alive: freed with it
