@@ -221,3 +221,17 @@ def test_blockwise_verification_catches_a_wrong_streamed_tensor(ckpt, tmp_path, 
     assert code == 1, captured.err
     assert "verification failed" in captured.err and "Traceback" not in captured.err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bad_readahead_setting_is_refused_and_nothing_is_written(ckpt, tmp_path, capsys, monkeypatch):
+    """NORMFOLD_VERIFY_READAHEAD other than 0 / 1 (stream.readahead): exit 2, one message naming it, no output,
+    no temp dir or lock left."""
+    from normfold.cli import convert_stream as stream_cli
+
+    monkeypatch.setattr(stream_cli, "VERIFY_IN_MEMORY_BYTES", 0)
+    monkeypatch.setenv("NORMFOLD_VERIFY_READAHEAD", "yes")
+    code = main(["convert", str(ckpt), "--out", str(tmp_path / "out"), "--stream", "always", "-q"])
+    captured = capsys.readouterr()
+    assert code == 2, captured.err
+    assert "NORMFOLD_VERIFY_READAHEAD" in captured.err and "Traceback" not in captured.err
+    assert list(tmp_path.iterdir()) == []
