@@ -184,8 +184,8 @@ def add(block: nn.Module, delta: Tensor, residual: Tensor) -> Tensor:
 
 def _entry(block: nn.Module) -> str | None:
     """The attribute name of the norm that first reads `block`'s input (FusedBlock.entry)."""
-    from .blocks import FUSED_BLOCKS
-    spec = FUSED_BLOCKS.get(type(block).__name__)
+    from .blocks import spec_of
+    spec = spec_of(block)
     for name in (spec.entry if spec is not None else ()):
         if block._modules.get(name) is not None:
             return name
@@ -202,7 +202,7 @@ def _target(norm) -> bool:
 def link(model: nn.Module) -> int:
     """Link every fused, hand-off-capable block of each registered stack in `model` to the norm that
     reads its output. Returns the number of links."""
-    from .blocks import FUSED_BLOCKS, is_fused
+    from .blocks import is_fused, spec_of
     count = 0
     for m in list(model.modules()):
         spec = STACKS.get(type(m).__name__)
@@ -215,8 +215,8 @@ def link(model: nn.Module) -> int:
         except AttributeError:
             continue
         for i, blk in enumerate(layers):
-            fb = FUSED_BLOCKS.get(type(blk).__name__)
-            if not is_fused(blk) or fb is None or not fb.hands_off:
+            fb = spec_of(blk) if is_fused(blk) else None
+            if fb is None or not fb.hands_off:
                 continue
             nxt = layers[i + 1] if i + 1 < len(layers) else None
             owner, attr = (nxt, _entry(nxt)) if nxt is not None else final

@@ -13,11 +13,6 @@ from torch import nn
 from ..blocks import fusable
 from ._cache_kwarg import renames_past_key_values
 
-ENCODER_PARAMETERS = ("self", "hidden_states", "attention_mask", "kwargs")
-DECODER_PARAMETERS = ("self", "hidden_states", "attention_mask", "encoder_hidden_states", "encoder_attention_mask",
-                      "cache", "use_cache", "kwargs")
-
-
 def encoder_forward(base):
     def forward(self, hidden_states, attention_mask, **kwargs):
         if not fusable(self.final_layer_norm):
@@ -40,7 +35,7 @@ def encoder_forward(base):
 
 
 def decoder_forward(base):
-    @renames_past_key_values
+    @renames_past_key_values(base)
     def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
                 cache=None, use_cache=True, **kwargs):
         cross = encoder_hidden_states is not None

@@ -11,8 +11,6 @@ the fused form."""
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from ..blocks import FusedBlock, fusable, register
@@ -32,15 +30,10 @@ class _NoResidual:
 
 _NO_RESIDUAL = _NoResidual()
 
-_ATTENTION_PARAMETERS = ("self", "hidden_states", "residual", "alibi", "attention_mask", "layer_past", "use_cache",
-                         "output_attentions", "kwargs")
-
-
 def _applies(block) -> bool:
-    """Pre-LN residual (the stream, not the norm's output) and an attention taking the residual as written."""
-    attn = type(block.self_attention).forward
-    return not block.apply_residual_connection_post_layernorm \
-        and tuple(inspect.signature(attn).parameters) == _ATTENTION_PARAMETERS
+    """Pre-LN residual (the stream, not the norm's output). The attention's code (it adds the residual it is
+    given) is watched with the block's: `sources` covers BloomAttention.forward too."""
+    return not block.apply_residual_connection_post_layernorm
 
 
 def _forward(base):
@@ -63,6 +56,5 @@ def _forward(base):
 
 
 register(FusedBlock("BloomBlock", "transformers.models.bloom.modeling_bloom", ("post_attention_layernorm",), _forward,
-                    ("self", "hidden_states", "alibi", "attention_mask", "layer_past", "use_cache",
-                     "output_attentions", "kwargs"),
-                    applies=_applies))
+                    sources={"e2a44ac3903265d3": "5.24.0"},
+                    watches=("BloomBlock.forward", "BloomAttention.forward"), applies=_applies))

@@ -20,7 +20,8 @@ def _forward(base):
     return forward
 
 
-for _name, _module in (("CLIPEncoderLayer", "clip.modeling_clip"), ("SiglipEncoderLayer", "siglip.modeling_siglip"),
-                      ("Siglip2EncoderLayer", "siglip2.modeling_siglip2")):
-    register(FusedBlock(_name, f"transformers.models.{_module}", ("layer_norm2",), _forward,
-                        ("self", "hidden_states", "attention_mask", "kwargs")))
+for _name, _module, _sources in (
+        ("CLIPEncoderLayer", "clip.modeling_clip", {"d53ebe9f0bf207e6": "5.24.0"}),
+        ("SiglipEncoderLayer", "siglip.modeling_siglip", {"c90e00b5fe2da19f": "5.24.0"}),
+        ("Siglip2EncoderLayer", "siglip2.modeling_siglip2", {"c90e00b5fe2da19f": "5.24.0"})):
+    register(FusedBlock(_name, f"transformers.models.{_module}", ("layer_norm2",), _forward, _sources))

@@ -9,5 +9,5 @@ from ..handoff import Stack, register_stack
 from .vit import layer_forward
 
 register(FusedBlock("DeiTLayer", "transformers.models.deit.modeling_deit", ("layernorm_after",), layer_forward,
-                    ("self", "hidden_states", "attention_mask", "kwargs"), hands_off=True, entry=("layernorm_before",)))
+                    {"b80c65684c27ccfd": "5.24.0"}, hands_off=True, entry=("layernorm_before",)))
 register_stack(Stack("DeiTModel", "transformers.models.deit.modeling_deit", "layers", "layernorm"))

@@ -25,4 +25,4 @@ def _forward(base):
 
 
 register(FusedBlock("Dinov2Layer", "transformers.models.dinov2.modeling_dinov2", ("norm2",), _forward,
-                    ("self", "hidden_states", "attention_mask", "kwargs")))
+                    {"6774acecff37226d": "5.24.0"}))

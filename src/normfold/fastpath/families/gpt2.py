@@ -28,7 +28,5 @@ def _forward(base):
 
 
 register(FusedBlock("GPT2Block", "transformers.models.gpt2.modeling_gpt2", ("ln_2",), _forward,
-                    ("self", "hidden_states", "cache", "attention_mask", "encoder_hidden_states",
-                     "encoder_attention_mask", "use_cache", "kwargs"),
-                    hands_off=True, entry=("ln_1",)))
+                    {"a2aefcd4b720b74b": "5.24.0"}, hands_off=True, entry=("ln_1",)))
 register_stack(Stack("GPT2Model", "transformers.models.gpt2.modeling_gpt2", "h", "ln_f"))

@@ -26,5 +26,4 @@ def _forward(base):
 
 
 register(FusedBlock("GPTBigCodeBlock", "transformers.models.gpt_bigcode.modeling_gpt_bigcode", ("ln_2",), _forward,
-                    ("self", "hidden_states", "encoder_hidden_states", "layer_past", "attention_mask",
-                     "encoder_attention_mask", "use_cache", "output_attentions", "kwargs")))
+                    {"7370ebfa908377a1": "5.24.0"}))

@@ -23,5 +23,4 @@ def _forward(base):
 
 
 register(FusedBlock("GPTNeoBlock", "transformers.models.gpt_neo.modeling_gpt_neo", ("ln_2",), _forward,
-                    ("self", "hidden_states", "layer_past", "attention_mask", "use_cache", "output_attentions",
-                     "kwargs")))
+                    {"195ab5579ad28c9a": "5.24.0"}))

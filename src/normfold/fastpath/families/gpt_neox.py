@@ -40,7 +40,6 @@ def _forward(base):
 
 
 register(FusedBlock("GPTNeoXLayer", "transformers.models.gpt_neox.modeling_gpt_neox", (), _forward,
-                    ("self", "hidden_states", "attention_mask", "position_ids", "use_cache", "layer_past",
-                     "position_embeddings", "kwargs"),
+                    {"6c2ab23c0e376b11": "5.24.0"},
                     applies=_applies, hands_off=True, entry=("input_layernorm",)))
 register_stack(Stack("GPTNeoXModel", "transformers.models.gpt_neox.modeling_gpt_neox", "layers", "final_layer_norm"))

@@ -24,7 +24,6 @@ def _forward(base):
 
 
 register(FusedBlock("GPTJBlock", "transformers.models.gptj.modeling_gptj", (), _forward,
-                    ("self", "hidden_states", "attention_mask", "position_ids", "cache", "use_cache",
-                     "position_embeddings", "kwargs"),
+                    {"5185d3c372aace88": "5.24.0"},
                     applies=lambda block: fusable(block.ln_1), hands_off=True, entry=("ln_1",)))
 register_stack(Stack("GPTJModel", "transformers.models.gptj.modeling_gptj", "h", "ln_f"))

@@ -11,7 +11,7 @@ from ._cache_kwarg import renames_past_key_values
 
 
 def _forward(base):
-    @renames_past_key_values
+    @renames_past_key_values(base)
     def forward(self, hidden_states, attention_mask=None, cache=None, use_cache=False, position_ids=None, **kwargs):
         if not self.do_layer_norm_before or not fusable(self.final_layer_norm):
             return base.forward(self, hidden_states, attention_mask=attention_mask, cache=cache, use_cache=use_cache,
@@ -37,5 +37,5 @@ def _forward(base):
 
 
 register(FusedBlock("OPTDecoderLayer", "transformers.models.opt.modeling_opt", ("final_layer_norm",), _forward,
-                    ("self", "hidden_states", "attention_mask", "cache", "use_cache", "position_ids", "kwargs"),
+                    {"bfff061b04cd9646": "5.24.0"},
                     applies=lambda block: bool(block.do_layer_norm_before)))

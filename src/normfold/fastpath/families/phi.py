@@ -25,8 +25,7 @@ def _forward(base):
 
 
 register(FusedBlock("PhiDecoderLayer", "transformers.models.phi.modeling_phi", (), _forward,
-                    ("self", "hidden_states", "attention_mask", "position_ids", "cache", "use_cache",
-                     "position_embeddings", "kwargs"),
+                    {"bed7bf574631eb5c": "5.24.0"},
                     applies=lambda block: fusable(block.input_layernorm), hands_off=True,
                     entry=("input_layernorm",)))
 register_stack(Stack("PhiModel", "transformers.models.phi.modeling_phi", "layers", "final_layernorm"))

@@ -24,5 +24,5 @@ def layer_forward(base):
 
 
 register(FusedBlock("ViTLayer", "transformers.models.vit.modeling_vit", ("layernorm_after",), layer_forward,
-                    ("self", "hidden_states", "attention_mask", "kwargs"), hands_off=True, entry=("layernorm_before",)))
+                    {"b80c65684c27ccfd": "5.24.0"}, hands_off=True, entry=("layernorm_before",)))
 register_stack(Stack("ViTModel", "transformers.models.vit.modeling_vit", "layers", "layernorm"))

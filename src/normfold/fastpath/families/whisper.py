@@ -4,8 +4,10 @@ that a norm of the same layer reads, fused with that norm)."""
 from __future__ import annotations
 
 from ..blocks import FusedBlock, register
-from ._encoder_decoder import DECODER_PARAMETERS, ENCODER_PARAMETERS, decoder_forward, encoder_forward
+from ._encoder_decoder import decoder_forward, encoder_forward
 
 _MODULE = "transformers.models.whisper.modeling_whisper"
-register(FusedBlock("WhisperEncoderLayer", _MODULE, ("final_layer_norm",), encoder_forward, ENCODER_PARAMETERS))
-register(FusedBlock("WhisperDecoderLayer", _MODULE, ("final_layer_norm",), decoder_forward, DECODER_PARAMETERS))
+register(FusedBlock("WhisperEncoderLayer", _MODULE, ("final_layer_norm",), encoder_forward,
+                    {"884830be28cb4818": "5.24.0"}))
+register(FusedBlock("WhisperDecoderLayer", _MODULE, ("final_layer_norm",), decoder_forward,
+                    {"8c97f8a5a3daa72e": "5.24.0"}))
