@@ -59,3 +59,16 @@ def test_lock_records_the_command_that_made_it():
     assert "pip-compile" in head and "pip-compile" in script
     for extra in LOCKED_EXTRAS:
         assert extra in head.split("--extra=")[1].split()[0].split(",")
+
+
+def test_ci_runs_the_readme_test_command():
+    """.ci/run installs and tests exactly as README's set-up command 2 says."""
+    readme = (ROOT / "README.md").read_text().splitlines()
+    command = next(readme[i + 1] for i, line in enumerate(readme) if line.startswith("# 2."))
+    ci = (ROOT / ".ci" / "run").read_text()
+    steps = [s.strip() for s in command.split("&&")]
+    assert any("requirements/lock.txt" in s for s in steps)
+    for step in steps:
+        if step.startswith(("pip install", "python -m pytest")):
+            assert step.replace("pip install", "pip install -q", 1).replace("pytest -q", "pytest -q") in ci \
+                or step in ci, f".ci/run does not run README's {step!r}"
