@@ -1,10 +1,10 @@
-"""Summarise `normfold bench ops` CSVs into the per-ISA tables of docs/benchmarks.md (ratios min–max over shapes).
+"""Summarise `normfold bench ops` CSVs into the per-ISA tables of docs/kernels-cpu-measurements.md (ratios min–max over shapes).
 
-    python scripts/isa_summary.py benchmarks/isa-epyc-zen5/ops-avx2-t1-ops.csv benchmarks/isa-epyc-zen5/ops-avx2-t2-ops.csv
+    python scripts/isa_summary.py benchmarks/isa/epyc-avx512-2026-11-24/ops-avx2-t1-ops.csv benchmarks/isa/epyc-avx512-2026-11-24/ops-avx2-t2-ops.csv
 
 Each CSV is one run (one ISA path, one thread count: taken from the file name's `-tN-`); prints one
 markdown row per dtype and run: forward rms/ln, forward rms/copy, backward rms/ln, add+rms / add+ln,
-and how many of the run's rows for that dtype meet issue 12's targets (the CSV's `target` column).
+and how many of the run's rows for that dtype meet the kernel targets (the CSV's `target` column).
 """
 
 from __future__ import annotations

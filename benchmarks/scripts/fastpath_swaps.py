@@ -1,4 +1,4 @@
-"""Where converted models' time goes (issue 24, docs/performance-breakdown.md): paired whole-model timing
+"""Where converted models' time goes (docs/performance-breakdown.md): paired whole-model timing
 of `normfold bench hf`'s models with one piece swapped at a time.
 
 Candidates (all built as `bench hf` builds them: convert → save → normfold.load, inference_mode):

@@ -6,8 +6,8 @@ and prints, per family, the worst ratio over all outputs of
 
     converted float32 error / original float32 error     (both against the float64 original)
 
-separately for models without outliers and with ×1e3–1e4 outlier channels. The issue-11 bound is
-4 (+64 ulp for outputs whose own error is zero).
+separately for models without outliers and with ×1e3–1e4 outlier channels. The verifier's working-dtype bound
+on that ratio is 4 (+64 ulp for outputs whose own error is zero).
 
     python benchmarks/scripts/float32_outlier_error.py [--cases 40] [--families gpt2,bert] [--json OUT]
 """

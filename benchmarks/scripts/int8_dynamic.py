@@ -1,4 +1,4 @@
-"""Real int8 on CPU (issue 25 item 4, a first measurement): torch.ao dynamic quantization (int8 weights
+"""Real int8 on CPU: torch.ao dynamic quantization (int8 weights
 per tensor, int8 activations per tensor computed at run time, fbgemm/x86 kernels) of the bundled model's
 linears, plain conversion vs rotated vs rotated + online Hadamard, against float32: held-out KJV
 perplexity and forward time (batch 1 × 256 tokens and 8 × 256, interleaved rounds, medians).

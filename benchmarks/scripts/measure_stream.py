@@ -6,7 +6,7 @@ the same shards (the I/O floor) and the RSS of importing torch + transformers + 
         [-- EXTRA CONVERT ARGS, e.g. --to crmsnorm]
 
 The default runs the default command, `normfold convert SRC --out OUT` (which streams a local safetensors
-checkpoint, issue 26). Prints one JSON object; the issue's bound is baseline + 1.25 x largest shard + 0.5 GB.
+checkpoint). Prints one JSON object; the memory bound is baseline + 1.25 x largest shard + 0.5 GB.
 `convert.gb_per_s` includes start-up and verification; `conversion_only_gb_per_s` is the report's convert step.
 """
 

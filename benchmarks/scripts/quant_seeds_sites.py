@@ -1,4 +1,4 @@
-"""One-off measurements behind docs/rotation.md (issue 25), bundled model, held-out KJV windows:
+"""One-off measurements behind docs/rotation.md, bundled model, held-out KJV windows:
 
 1. W4A4 / W4-only perplexity gap of `--rotate {hadamard,orthogonal} --rotate-online` for seeds 0-2;
 2. where the W4A4 gap comes from: 4-bit per-token activations at one module group at a time (weights

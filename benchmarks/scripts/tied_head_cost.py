@@ -1,20 +1,21 @@
-"""Cost of nn.TiedHead against the plain tied nn.Linear it replaces (issue 24 item 1).
+"""Cost of nn.TiedHead against the plain tied nn.Linear it replaces.
 
     python benchmarks/scripts/tied_head_cost.py [--tokens 64] [--rounds 25]
 
-GPT-2 small's head shapes (vocab 50,257, d 768), float32, batch 1: the plain matmul, TiedHead (row-mean
-term added in place) and the out-of-place formula it replaced, timed in interleaved rounds; medians and
-ratios to the plain matmul. Results: docs/verification.md#tied-embeddings-stay-tied.
+GPT-2 small's head shapes (vocab 50,257, d 768), float32, batch 1: the plain matmul, a second copy of it (the
+A/A control), TiedHead (row-mean term added in place) and the out-of-place formula, timed by
+normfold.bench.timing (interleaved rounds); per-round paired ratios to the plain matmul with their verdict.
+Results: docs/verification.md#tied-embeddings-stay-tied.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 from torch import nn
 
+from normfold.bench import timing
 from normfold.nn import TiedHead
 
 
@@ -35,22 +36,15 @@ def main() -> None:
         out = nn.functional.linear(x, table.weight)
         return out + x.sum(-1, keepdim=True) * head.mean
 
-    fs = {"nn.Linear (tied, stock)": plain, "TiedHead": head, "out-of-place formula": out_of_place}
-    times = {k: [] for k in fs}
+    ref = "nn.Linear (tied, stock)"
+    fs = {ref: plain, "A/A: the same Linear": plain, "TiedHead": head, "out-of-place formula": out_of_place}
     with torch.no_grad():
-        for f in fs.values():
-            f(y), f(y)
-        for _ in range(args.rounds):
-            for k, f in fs.items():
-                t0 = time.perf_counter()
-                f(y)
-                times[k].append(time.perf_counter() - t0)
-    base = sorted(times["nn.Linear (tied, stock)"])[args.rounds // 2]
+        stats = timing.measure({k: (lambda f=f: f(y)) for k, f in fs.items()}, rounds=args.rounds)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.tokens} tokens, {args.rounds} rounds")
-    for k, v in times.items():
-        med = sorted(v)[args.rounds // 2]
-        print(f"{k:26s} {med * 1e3:8.2f} ms  x{med / base:.3f}")
-
+    for k, st in stats.items():
+        ratio = timing.paired(st, stats[ref])
+        print(f"{k:26s} {st.median * 1e3:8.2f} ms  x{ratio.median:.3f} [{ratio.q25:.3f}, {ratio.q75:.3f}] "
+              f"{timing.ratio_verdict(ratio) if k != ref else ''}")
 
 if __name__ == "__main__":
     main()

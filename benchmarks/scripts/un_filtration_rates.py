@@ -1,4 +1,4 @@
-"""How often does UN's outlier filtration (paper 004, eq. 19) fire on stationary data, under the
+"""How often does UN's outlier filtration (Yang et al., "Unified Normalization for Accelerating and Stabilizing Transformers", eq. 19) fire on stationary data, under the
 two readings of its threshold M·V(Ω_{t−1}^{1/2})?
 
 - per channel: V is each channel's variance over the window's M steps;

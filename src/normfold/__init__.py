@@ -1,5 +1,5 @@
 """normfold: turn LayerNorm Transformers into arithmetically equivalent (C)RMSNorm models, prove it,
-and run them faster. See README.md and DESIGN.md.
+and run them faster. See README.md and docs/architecture.md.
 
     import normfold
     converted, report = normfold.convert(model, to="rmsnorm")

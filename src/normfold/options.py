@@ -1,4 +1,4 @@
-"""How to convert: one options object for every entry point (issue 27).
+"""How to convert: one options object for every entry point.
 
 `normfold.convert`, `normfold.stream.stream_convert`, `normfold.train.prepare` and `normfold.train.export`
 take a `ConvertOptions` as `options=`, or its fields as keywords of the same names and meanings; a keyword

@@ -1,6 +1,6 @@
 """The conversion report: what was converted, what was kept and why, and the verification numbers.
 
-Serialized as `normfold.json` next to a saved checkpoint (DESIGN.md "Public contract"). The
+Serialized as `normfold.json` next to a saved checkpoint (docs/verification.md, "Checkpoints"). The
 `structure` part is also the recipe `normfold.load` replays to rebuild the converted modules on
 top of a stock model.
 """

@@ -1,4 +1,4 @@
-"""Prove a conversion by running both models (DESIGN.md "Rules of the house").
+"""Prove a conversion by running both models (docs/verification.md).
 
 Two checks:
 

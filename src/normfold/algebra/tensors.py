@@ -1,4 +1,4 @@
-"""Pure tensor algebra behind every conversion (DESIGN.md "The algebra"). No model knowledge.
+"""Pure tensor algebra behind every conversion (README.md, "Why it is exact"). No model knowledge.
 
 Every function computes in float64 and casts the result back to the input dtype once, so
 repeated edits of one tensor do not accumulate low-precision rounding.

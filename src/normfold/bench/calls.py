@@ -4,7 +4,7 @@ Inside a model a norm is called on one row per step when decoding; there the cal
 dispatch → kernel) costs more than the arithmetic. This suite times `normfold.nn.RMSNorm` as a
 conversion builds it (from a LayerNorm: zero-mean input, weight kept, bias folded) against the
 `nn.LayerNorm` it replaces, and `normfold.nn.CRMSNorm`, per call, under inference mode, interleaved.
-Target (issue 12): RMSNorm ≤ LayerNorm at (1, d) and (16, d), d ∈ {768, 4096}, every dtype.
+Target: RMSNorm ≤ LayerNorm at (1, d) and (16, d), d ∈ {768, 4096}, every dtype.
 """
 
 from __future__ import annotations

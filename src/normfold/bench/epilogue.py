@@ -1,4 +1,4 @@
-"""`normfold bench epilogue`: the norm folded into the next matrix multiply (issue 12, item 5).
+"""`normfold bench epilogue`: the norm folded into the next matrix multiply.
 
 A converted model's stream norm is read only by linear layers, so Linear(RMSNorm(x)) can be
 computed as (x·Wᵀ)·s(x) + b (`normfold.nn.NormLinear`): the row scale s comes from one read of x

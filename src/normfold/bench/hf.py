@@ -245,7 +245,7 @@ def run(out_dir="benchmarks", quick: bool = False, rounds: int | None = None, pr
 
 
 def summary(rows: list[dict]) -> str:
-    """Per dtype: the mean ratios over the settings and the gap captured from them (issue 24's target:
+    """Per dtype: the mean ratios over the settings and the gap captured from them (the target:
     ≥ 0.8 in each dtype, no setting slower than the original, Pre-CRMS ≤ Pre-RMS)."""
     head = ["dtype", "settings", "Pre-RMS", "Pre-CRMS", "no norm", "A/A copy", "gap captured (RMS)",
             "gap captured (CRMS)", "slower than original (RMS, CRMS)", "A/A flagged", "CRMS ≤ RMS",

@@ -11,7 +11,7 @@ Three passes, each a section of the table (ratios < 1 mean normfold is faster):
 - add: the fused residual add + norm (`ops.add_rms_norm`, returning the sum and the normalized
   value) vs `x + r` followed by F.layer_norm, by F.rms_norm and by normfold's unfused RMSNorm.
 
-Targets (issue 12, stricter than issue 5's): forward ≤ 0.6 × LayerNorm — or, where LayerNorm is
+Targets (docs/kernels-cpu-measurements.md): forward ≤ 0.6 × LayerNorm — or, where LayerNorm is
 itself within 1/0.6 of a copy, ≤ 1.15 × copy (nothing beats the bandwidth floor) — and ≤ 1.5 × copy;
 backward ≤ 0.8 × LayerNorm's backward; fused add + norm ≤ 0.6 × add + LayerNorm. The `target`
 column says which are met for normfold's RMSNorm (`rms/…`); docs/kernels-cpu.md explains the misses.

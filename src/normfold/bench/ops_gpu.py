@@ -7,7 +7,7 @@ norm can at best reach). Backward: aten's LayerNorm and fused-RMSNorm backward a
 
 By default each candidate is captured `calls` times in one CUDA graph and the graph is replayed:
 that times the kernels, not Python's launch overhead (which dominates at small shapes and is
-what `eager=True` measures). Targets (issue 5): forward ≥ 85 % of copy bandwidth at large
+what `eager=True` measures). Targets: forward ≥ 85 % of copy bandwidth at large
 shapes, and faster than all three torch norms at every shape.
 """
 

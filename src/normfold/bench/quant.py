@@ -1,4 +1,4 @@
-"""`normfold bench quant [MODEL]`: what a rotated stream does for fake-quantized inference (issue 25).
+"""`normfold bench quant [MODEL]`: what a rotated stream does for fake-quantized inference.
 
 Per model, four forms of the same function: the original (LayerNorm), the plain Pre-RMSNorm conversion,
 the rotated one (`rotate="hadamard"`) and the rotated one with an online Hadamard before every MLP

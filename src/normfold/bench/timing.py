@@ -145,7 +145,7 @@ class Bar:
     in the estimate from the first line; time in `paused()` blocks (building the next setting's models)
     is left out of the rate, so a one-off pause does not multiply it. (The estimate used to be the
     last 20 steps' rate, which followed such changes in a jump: `bench e2e` printed "~8 s left" over
-    the first ViT rounds, then "~600 s left" on GPT-3 Medium, issue 26.)"""
+    the first ViT rounds, then "~600 s left" on GPT-3 Medium.)"""
 
     def __init__(self, total: int, label: str, enabled: bool = True, weights=None) -> None:
         import sys

@@ -497,7 +497,7 @@ def _probe(model: nn.Module, pad: bool) -> None:
     try:
         try:
             inputs = find_adapter(model).example_inputs(model, torch.Generator().manual_seed(0))
-        except UnsupportedModelError:  # a plan derived by the analysis (issue 13): inputs from the config
+        except UnsupportedModelError:  # a plan derived by the analysis: inputs from the config
             from ..analysis.autoplan import modality_inputs
 
             try:

@@ -70,7 +70,7 @@ class StreamCRMSNorm(CRMSNorm):
 
     def forward(self, x: Tensor, residual: Tensor | None = None):
         if not self.pad and not self.decompress:
-            return CRMSNorm.forward(self, x, residual)  # the modules' lean CPU path (issue 24)
+            return CRMSNorm.forward(self, x, residual)  # the modules' lean CPU path
         if residual is not None:
             s = x + residual
             return s, self.forward(s)
@@ -173,7 +173,7 @@ class TiedCompressedHead(nn.Module):
         if out.dim() >= 2 and out.is_contiguous() and not (torch.is_grad_enabled() and out.requires_grad):
             # the rank-1 term added in place, one pass over the logits: `out + s * mean` wrote the
             # (tokens × vocabulary) product and read it back (GPT-2's head at 256 tokens, float32:
-            # 0.91 of the time, bfloat16 0.72; issue 24)
+            # 0.91 of the time, bfloat16 0.72)
             out.view(-1, out.shape[-1]).addmm_(s.reshape(-1, 1), mean.view(1, -1))
             return out
         return out + s * mean
@@ -191,7 +191,7 @@ def _recenter_compress(x: Tensor, pad: bool) -> Tensor:
         return torch.cat([x[..., :-1], torch.zeros_like(x[..., -1:])], dim=-1)
     # the second subtraction writes only the d−1 kept coordinates: the same values as slicing the d-wide
     # result, but a contiguous stream (a slice of it made the first block's norm and adds read rows d
-    # apart, off the norms' fast path; issue 24 item 4) and one d-wide pass less
+    # apart, off the norms' fast path) and one d-wide pass less
     return x[..., :-1] - x.mean(dim=-1, keepdim=True)
 
 

@@ -1,4 +1,4 @@
-"""Runtime fast paths for converted models (issue 24): exact rewrites of how a loaded model computes,
+"""Runtime fast paths for converted models: exact rewrites of how a loaded model computes,
 never of what it computes or of what its checkpoint holds.
 
 `apply(model)` is what `normfold.load` runs (`normfold.load(path, fast=False)` skips it):

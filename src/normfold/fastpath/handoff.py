@@ -1,4 +1,4 @@
-"""Cross-block hand-off (issue 24 item 2): the residual add at the END of a block fused with the norm
+"""Cross-block hand-off: the residual add at the END of a block fused with the norm
 that reads its sum next (the next block's first norm, or the model's final norm after the last block).
 
 A block's output contract stays: it returns s = delta + residual. What changes is how the sum is

@@ -261,7 +261,7 @@ def save(model: nn.Module, report: ConversionReport, out: str | os.PathLike, *, 
     try:
         weights = STOCK_WEIGHTS if report.stock_reloadable else NORMFOLD_WEIGHTS
         # one metadata key: safetensors writes __metadata__ from a Rust HashMap, so with two keys their
-        # order (and the file's bytes) changed from run to run (issue 11 item 5: repeatable conversions)
+        # order (and the file's bytes) changed from run to run (conversions must be repeatable)
         state = export_state_dict(model, report)
         # tamper evidence: `normfold verify CONVERTED` checks the digest, computed as the file is written
         # (same bytes as safetensors' save_file: checkpoint.writer lays the header out as it does)

@@ -1,4 +1,4 @@
-"""A norm folded into the matrix multiply that reads it (issue 12, item 5).
+"""A norm folded into the matrix multiply that reads it.
 
 After conversion every stream norm is affine-free (γ and β live in the next linear layers) and is
 read only by linear layers, so

@@ -16,7 +16,7 @@ The table is referenced, not registered (its module lives elsewhere in the model
 dict holds it once under the embedding's name, plus `mean` (and `scale`, `bias` where present).
 Only standard aten ops: linear, mul, sum, add (torch.export / ONNX export keep working).
 
-Runtime fast path (`pack`, applied by `normfold.load` / `normfold.convert` unless fast=False; issue 24):
+Runtime fast path (`pack`, applied by `normfold.load` / `normfold.convert` unless fast=False):
 in bfloat16 on the CPU the separate rank-2 update is a second pass over the V-wide logits (GPT-2 small:
 the head ran 1.07x the stock tied matmul). `pack` moves the table into a (V, d+p) buffer
 A = [E' | μ | μ | 0…] whose first d columns the embedding's weight becomes a view of (the same

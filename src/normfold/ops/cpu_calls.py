@@ -161,7 +161,7 @@ def fast_add_forward(x: Tensor, residual: Tensor, weight: Tensor | None, bias: T
         return None
     wp, wdt, bp, bdt = params
     # row-strided operands (`_row_view`: Pre-CRMS's padded writers return x[..., :d−1] of a d-wide
-    # product) are read in place, as the dispatcher's path reads them (issue 24: they used to take it)
+    # product) are read in place, as the dispatcher's path reads them
     xv = (x, n) if x.is_contiguous() else _row_view(x, n)
     rv = (residual, n) if residual.is_contiguous() else _row_view(residual, n)
     if xv is None or rv is None:

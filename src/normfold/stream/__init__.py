@@ -1,4 +1,4 @@
-"""Checkpoints larger than memory (issue 11): streaming (shard-by-shard) conversion of safetensors
+"""Checkpoints larger than memory: streaming (shard-by-shard) conversion of safetensors
 checkpoints and block-wise verification, both in bounded memory."""
 
 from .convert import StreamUnsupportedError, stream_convert

@@ -1,4 +1,4 @@
-"""Streamed reverse conversion (issue 26 item 3): a Pre-RMSNorm (or Pre-CRMSNorm) checkpoint written by normfold
+"""Streamed reverse conversion: a Pre-RMSNorm (or Pre-CRMSNorm) checkpoint written by normfold
 (normfold.json) back to the stock Pre-LN model (`to="layernorm"`), or a Pre-CRMSNorm one to Pre-RMSNorm
 (`to="rmsnorm"`: decompress only), tensor by tensor, with the same bytes as `normfold.load` +
 `normfold.convert(model, to=...)` + `normfold.save`.
