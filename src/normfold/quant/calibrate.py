@@ -63,6 +63,22 @@ def weight_matrix(module: nn.Module) -> Tensor:
     return w if lay.out_dim == 0 else w.t()
 
 
+def untie(model: nn.Module, modules: dict[str, nn.Module]) -> list[str]:
+    """Give each of `modules` whose weight is shared with another parameter (a head tied to the embedding)
+    its own copy, so quantizing it leaves the other user float. Returns the paths untied."""
+    count: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        count[id(p)] = count.get(id(p), 0) + 1
+    done = []
+    for n, m in modules.items():
+        name = layout_of(m).weight
+        w = getattr(m, name)
+        if count.get(id(w), 0) > 1:
+            setattr(m, name, nn.Parameter(w.detach().clone(), requires_grad=w.requires_grad))
+            done.append(n)
+    return done
+
+
 def set_weight_matrix(module: nn.Module, w_out_in: Tensor) -> None:
     lay = layout_of(module)
     w = getattr(module, lay.weight)
@@ -110,10 +126,12 @@ def quantize_model(model: nn.Module, batches: list, *, method: str = "gptq", bit
     calibration `batches` (`forward(model, batch)` runs one; default `model(input_ids=batch)`).
     method "gptq" or "rtn" (round-to-nearest; calibration is used only by a `clip` search). `bits_of`
     overrides `bits` per linear path; `skip` leaves linears unquantized. Returns {path: QuantizedWeight}
-    in the (out, in) layout."""
+    in the (out, in) layout. A linear whose weight is tied to another parameter (an LM head tied to the
+    embedding) is untied first: only the linear is quantized, the embedding stays float."""
     if method not in ("gptq", "rtn"):
         raise ValueError(f"method must be 'gptq' or 'rtn', got {method!r}")
     mods = quantizable_linears(model, skip)
+    untie(model, mods)
     out: dict[str, QuantizedWeight] = {}
     if method == "rtn" and not clip:
         for n, m in mods.items():
@@ -156,5 +174,5 @@ def _fit(group_size: int | None, module: nn.Module) -> int | None:
     return group_size if cols % group_size == 0 else None
 
 
-__all__ = ["quantize_model", "quantizable_linears", "hessians_of", "block_of", "weight_matrix",
+__all__ = ["quantize_model", "untie", "quantizable_linears", "hessians_of", "block_of", "weight_matrix",
            "set_weight_matrix"]
