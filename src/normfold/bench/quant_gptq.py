@@ -82,36 +82,17 @@ def calibration_batches(spec: str, model_dir=None, windows: int = 32, ctx: int =
 
 # ---- forms -------------------------------------------------------------------------------------------------
 
-def attention_output_projections(model: nn.Module, report) -> list[str]:
-    """Stream writers as wide in as out (the attention output projections)."""
-    from ..algebra import is_linear_reader, layout_of
-
-    widths = {s["width"] for s in report.structure.rotation.get("streams", [])}
-    mods = dict(model.named_modules())
-    out = []
-    for path in report.centered:
-        m = mods.get(path)
-        if m is None or not is_linear_reader(m):
-            continue
-        lay = layout_of(m)
-        w = getattr(m, lay.weight)
-        if int(w.shape[lay.in_dim]) in widths and int(w.shape[lay.out_dim]) in widths:
-            out.append(path)
-    return out
-
-
 def forms(model: nn.Module, say) -> dict[str, nn.Module]:
     from ..convert import convert
-    from ..rotate import add_online_hadamard
+    from ..rotate import add_attention_online_hadamard
 
     out = {"original": model}
     say("converting (plain, rotated, rotated + online)")
     out["plain"], _ = convert(model, verify=False)
     out["rotated"], _ = convert(model, rotate="hadamard", verify=False)
-    out["rotated+online"], rep = convert(model, rotate="hadamard", rotate_online=True, verify=False)
-    both = copy.deepcopy(out["rotated+online"])
-    add_online_hadamard(both, attention_output_projections(both, rep))
-    out["rotated+online+attn"] = both
+    out["rotated+online"], _ = convert(model, rotate="hadamard", rotate_online=True, verify=False)
+    out["rotated+online+attn"], rep2 = convert(model, rotate="hadamard", rotate_online=True, verify=False)
+    add_attention_online_hadamard(out["rotated+online+attn"], rep2)
     return out
 
 
@@ -181,22 +162,25 @@ def head_of(model: nn.Module) -> str | None:
 
 def jobs(form: str, weights, groups, group_forms) -> list[tuple[str, int, int | None, bool, list]]:
     """(weights, weight bits, group, head kept float, [(config, activation bits)]) per weight quantization:
-    per-channel W4 (A16, A8, A4) for every method; the LM head kept float (QuaRot's protocol) for the
-    clipped methods; W8A8 and the group sizes (W4A16) for the unclipped ones, groups on `group_forms`."""
+    per-channel W4 (A16, A8, A4) for every method; W8A8 with RTN everywhere and GPTQ on the plain and
+    rotated+online forms; the LM head kept float (QuaRot's protocol) with "gptq+clip" on the online forms;
+    the group sizes (W4A16) with RTN and GPTQ on `group_forms`."""
     out = []
     for w in weights:
         out.append((w, 4, None, False, [("W4A16", None), ("W4A8", 8), ("W4A4", 4)]))
         if "clip" in w:
-            out.append((w, 4, None, True, [("W4A16", None), ("W4A4", 4)]))
-        else:
+            if "online" in form:
+                out.append((w, 4, None, True, [("W4A16", None), ("W4A4", 4)]))
+            continue
+        if w == "rtn" or form in ("plain", "rotated+online"):
             out.append((w, 8, None, False, [("W8A8", 8)]))
-            if form in group_forms:
-                out += [(w, 4, g, False, [("W4A16", None)]) for g in groups]
+        if form in group_forms:
+            out += [(w, 4, g, False, [("W4A16", None)]) for g in groups]
     return out
 
 
 def evaluate(name: str, model: nn.Module, batches, cal, lm: bool, say, *, weights=WEIGHTS, form_names=FORMS,
-             groups=(128, 64, 32), group_forms=("plain", "rotated+online"), act_order: bool = True,
+             groups=(64, 32), group_forms=("plain", "rotated+online"), act_order: bool = True,
              heads=(False, True)) -> list[dict]:
     variants = forms(model, say)
     ref = logits_of(model, batches)
@@ -275,13 +259,27 @@ def _plot(rows, path, machine):
     plt.close(fig)
 
 
-def run(model_dir, out_dir, *, calibration: str = "bundled", quick: bool = False, progress: bool = True,
-        windows: int | None = None, cal_windows: int | None = None, text=None):
+def _evaluate_task(task) -> list[dict]:
     import sys
 
     from ..io import load_source
 
-    say = (lambda msg: print(f"[bench quant --gptq] {msg}", file=sys.stderr)) if progress else (lambda msg: None)
+    model_dir, name, lm, batches, cal, kw, progress, vocab = task
+    torch.set_num_threads(1)
+    say = (lambda msg: print(f"[bench quant --gptq] {msg}", file=sys.stderr, flush=True)) if progress \
+        else (lambda msg: None)
+    if lm:
+        model = load_source(model_dir)[0].float().eval()
+        torch.manual_seed(0)
+    else:
+        model = outlier_gpt2(vocab=vocab)
+    return evaluate(name, model, batches, cal, lm=lm, say=say, **kw)
+
+
+def run(model_dir, out_dir, *, calibration: str = "bundled", quick: bool = False, progress: bool = True,
+        windows: int | None = None, cal_windows: int | None = None, text=None):
+    from ..io import load_source
+
     t0 = time.perf_counter()
     cal = calibration_batches(calibration, model_dir, windows=cal_windows or (8 if quick else 16), text=text)
     batches = heldout_batches(windows or (4 if quick else 16), text=text)
@@ -291,12 +289,18 @@ def run(model_dir, out_dir, *, calibration: str = "bundled", quick: bool = False
     kw = {}
     if quick:
         kw = dict(weights=("rtn", "gptq"), form_names=("plain", "rotated+online"), groups=(64,), heads=(False,))
-    rows = evaluate(name, model, batches, cal, lm=True, say=say, **kw)
     vocab = int(model.config.vocab_size)
-    out_model = outlier_gpt2(vocab=max(vocab, 2048))
-    clamp = [b.clamp_max(vocab - 1) for b in batches]
-    cal_clamp = [b.clamp_max(vocab - 1) for b in cal]
-    rows += evaluate("outlier-gpt2", out_model, clamp, cal_clamp, lm=False, say=say, **kw)
+    tasks = [(model_dir, name, True, batches, cal, kw, progress, vocab),
+             (None, "outlier-gpt2", False, [b.clamp_max(vocab - 1) for b in batches],
+              [b.clamp_max(vocab - 1) for b in cal], kw, progress, max(vocab, 2048))]
+    if quick:
+        rows = [r for t in tasks for r in _evaluate_task(t)]
+    else:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(2, mp_context=mp.get_context("spawn")) as pool:  # the two models side by side
+            rows = [r for part in pool.map(_evaluate_task, tasks) for r in part]
     machine = machine_info()
     machine["seconds"] = round(time.perf_counter() - t0, 1)
     machine["heldout_tokens"] = int(sum(b.numel() for b in batches))
