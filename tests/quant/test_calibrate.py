@@ -61,3 +61,13 @@ def test_gptq_model_error_below_rtn(kw):
             got = torch.cat([q(input_ids=b).logits for b in cal])
         errs[method] = float((got - ref).norm() / ref.norm())
     assert errs["gptq"] < errs["rtn"]
+
+
+def test_tied_head_is_untied_and_the_embedding_stays_float():
+    model = _gpt2()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    wte = model.transformer.wte.weight.detach().clone()
+    out = quantize_model(model, _batches(2), method="gptq", bits=4)
+    assert "lm_head" in out and model.lm_head.weight is not model.transformer.wte.weight
+    assert torch.equal(model.transformer.wte.weight, wte)
+    torch.testing.assert_close(model.lm_head.weight, out["lm_head"].dequantize(), rtol=0, atol=0)
