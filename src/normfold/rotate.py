@@ -54,7 +54,7 @@ from .report import ConversionReport
 from .verify import CENTERED_OUTPUTS
 
 __all__ = ["apply_rotation", "rotation_of", "unrotate_outputs", "stream_rotations", "add_online_hadamard",
-           "mlp_down_projections"]
+           "mlp_down_projections", "attention_output_projections", "add_attention_online_hadamard"]
 
 def _refuse(why: str) -> UnsupportedConversionError:
     return UnsupportedConversionError(f"cannot rotate this model exactly: {why}")
@@ -337,6 +337,35 @@ def mlp_down_projections(model: nn.Module, report: ConversionReport) -> list[str
         if int(w.shape[lay.in_dim]) not in widths and int(w.shape[lay.out_dim]) in widths:
             out.append(path)
     return out
+
+
+def attention_output_projections(model: nn.Module, report: ConversionReport) -> list[str]:
+    """Stream writers as wide in as out: the attention output projections (their input is the heads'
+    concatenated output)."""
+    out = []
+    widths = {s["width"] for s in report.structure.rotation.get("streams", [])}
+    for path in report.centered:
+        obj = get(model, path)
+        lay = None if isinstance(obj, nn.Parameter) else algebra.layout_of(obj)
+        if lay is None or lay.in_dim is None or not algebra.is_linear_reader(obj):
+            continue
+        w = getattr(obj, lay.weight)
+        if int(w.shape[lay.in_dim]) in widths and int(w.shape[lay.out_dim]) in widths:
+            out.append(path)
+    return out
+
+
+def add_attention_online_hadamard(model: nn.Module, report: ConversionReport) -> list[str]:
+    """QuaRot's online Hadamard on the attention output: x ← x·H/√d before every attention output
+    projection of a rotated model, its weight rotated to match (exact). Recorded in
+    structure.rotation["online"] like `--rotate-online` (normfold.load replays it). Returns the paths."""
+    if not report.structure.rotation:
+        raise UnsupportedConversionError("the attention-output Hadamard needs a rotated model (--rotate)")
+    done = add_online_hadamard(model, attention_output_projections(model, report), report)
+    if done:
+        report.notes.append(f"online Hadamard before {len(done)} attention output projection(s): load with "
+                            "normfold.load")
+    return done
 
 
 def rotation_of(structure_rotation: dict) -> dict[int, Tensor]:

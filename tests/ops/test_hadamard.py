@@ -43,3 +43,34 @@ def test_fwht_exports():
     ep = torch.export.export(m, (x,))
     assert torch.allclose(ep.module()(x), m(x))
     assert not any("normfold" in str(n.target) for n in ep.graph.nodes)  # plain aten
+
+
+# ---- the C kernel (nf_fwht_f32) against the aten fwht ----
+
+@pytest.mark.parametrize("n", [1, 2, 8, 64, 192, 768, 1024, 3072, 2560])
+def test_fwht_fast_equals_aten_bit_for_bit(n):
+    from normfold.ops import cpu
+    from normfold.ops.hadamard import fwht_fast
+
+    if cpu.library() is None:
+        pytest.skip("normfold CPU kernel unavailable")
+    f = hadamard_factor(n)
+    core = None if f[0] == 1 else hadamard_core(f[0]).float()
+    x = torch.randn(3, 5, n, generator=torch.Generator().manual_seed(n))
+    got = fwht_fast(x, core)
+    assert torch.equal(got, fwht(x, core))
+    assert torch.equal(x, torch.randn(3, 5, n, generator=torch.Generator().manual_seed(n)))  # input untouched
+    # and against the dense matrix in float64
+    want = x.double() @ (hadamard_matrix(n).double() / n ** 0.5)
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_fwht_fast_falls_back_to_aten_for_autograd_and_other_dtypes():
+    from normfold.ops.hadamard import fwht_fast
+
+    x = torch.randn(4, 64, requires_grad=True)
+    y = fwht_fast(x)
+    y.sum().backward()  # the aten path: differentiable
+    assert x.grad is not None
+    xd = torch.randn(4, 64, dtype=torch.float64)
+    assert torch.equal(fwht_fast(xd), fwht(xd))

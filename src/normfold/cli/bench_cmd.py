@@ -41,7 +41,9 @@ suites:
   quant   fake quantization (RTN, W8A8 / W4A8 / W4A4 per token and per tensor, W8 / W4 weight-only) of
           MODEL (default: the bundled one; perplexity on held-out KJV chapters) and of a GPT-2 with outlier
           channels: original vs plain vs rotated (--rotate hadamard) vs rotated + online Hadamard, with
-          activation crest factors at the linears' inputs (docs/rotation.md)
+          activation crest factors at the linears' inputs (docs/rotation.md); --gptq: GPTQ vs RTN
+          weights (group sizes, clipping searched per layer, online Hadamard on the attention output
+          too) calibrated on --calibration FILE|bundled
   train-speed
           training step time (forward + backward + AdamW) of LayerNorm vs normfold.train-prepared
           models: the bundled model (8x256) and ViT-S/16 (batch 8), eager and torch.compile
@@ -81,6 +83,10 @@ def add_parser(sub) -> None:
     p.add_argument("--eager", action="store_true", help="ops --device cuda: time eager launches (with Python "
                    "overhead) instead of CUDA-graph replays")
     p.add_argument("--steps", type=int, help="train: optimizer steps (default 120)")
+    p.add_argument("--gptq", action="store_true", help="quant: GPTQ vs round-to-nearest weights with clipping "
+                   "search, group sizes, online rotations (writes quant_gptq.*)")
+    p.add_argument("--calibration", metavar="FILE|bundled", help="quant --gptq: calibration text (default "
+                   "'bundled': KJV verses from the bundled model's training split, disjoint from the evaluation)")
     p.add_argument("--text", metavar="FILE", help="train: KJV text file (default: from Debian's bible-kjv packages)")
     p.add_argument("--no-compile", action="store_true", help="train-speed: eager only")
     p.add_argument("--dropout", action="store_true", help="train-speed: keep the models' dropout (p = 0.1): "
@@ -197,6 +203,13 @@ def _train(args):
 def _quant(args):
     from ..bench import quant
 
+    if args.gptq:
+        from ..bench import quant_gptq
+
+        return quant_gptq.run(args.model, args.out, calibration=args.calibration or "bundled", quick=args.quick,
+                              progress=not args.quiet, text=args.text)
+    if args.calibration is not None:
+        raise BenchOptionError("--calibration is for 'quant --gptq'")
     return quant.run(args.model, args.out, quick=args.quick, progress=not args.quiet, text=args.text)
 
 
@@ -226,12 +239,12 @@ ACCEPTS = {
     "un": {"quick", "rounds", "batches"},
     "train": {"quick", "steps", "text"},
     "train-speed": {"quick", "rounds", "no_compile", "dropout"},
-    "quant": {"model", "quick", "text"},
+    "quant": {"model", "quick", "text", "gptq", "calibration"},
     "onnx": {"quick", "rounds"},
 }
 _DEFAULTS = {"model": None, "quick": False, "rounds": None, "device": "cpu", "compile": False, "models": None,
              "batches": None, "dtypes": None, "eager": False, "to": "rmsnorm",
-             "steps": None, "text": None, "no_compile": False, "dropout": False}
+             "steps": None, "text": None, "gptq": False, "calibration": None, "no_compile": False, "dropout": False}
 
 
 class BenchOptionError(ValueError):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..ops.hadamard import fwht, hadamard_core, hadamard_factor
+from ..ops.hadamard import fwht_fast, hadamard_core, hadamard_factor
 
 _MARK = "_normfold_hadamard_handle"
 _CORE = "_normfold_hadamard_core"
@@ -21,7 +21,7 @@ _CORE = "_normfold_hadamard_core"
 def _rotate_input(module: nn.Module, args):
     x = args[0]
     core = getattr(module, _CORE, None)
-    return (fwht(x, None if core is None else core.to(x.dtype)), *args[1:])
+    return (fwht_fast(x, None if core is None else core.to(x.dtype)), *args[1:])
 
 
 def add_input_hadamard(module: nn.Module, width: int) -> None:

@@ -92,3 +92,43 @@ def fwht(x: Tensor, core: Tensor | None = None) -> Tensor:
     if core is not None:
         y = torch.matmul(core.t(), y)  # (m, m) @ (rows, m, p): out[j] = Σ_i H[i, j]·y[i]
     return (y * (1.0 / math.sqrt(n))).reshape(*lead, n)
+
+
+def _plain(x: Tensor) -> bool:
+    """An eager CPU float32 tensor the C kernel may transform (not a fake/functional tensor under
+    torch.export / torch.compile, no autograd)."""
+    return (type(x) is Tensor and x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad
+            and not _compiling())
+
+
+def _compiling() -> bool:
+    try:
+        return torch.compiler.is_compiling() or torch.compiler.is_exporting()
+    except AttributeError:  # older torch
+        return False
+
+
+def fwht_fast(x: Tensor, core: Tensor | None = None) -> Tensor:
+    """`fwht` with normfold's C kernel (`nf_fwht_f32`) for eager CPU float32 inference; `fwht` (plain
+    aten) otherwise, or when the kernel library is unavailable. Same butterflies in the same order; the
+    Paley core's m×m sum may round differently from aten's matmul."""
+    if not _plain(x):
+        return fwht(x, core)
+    from .cpu import library
+
+    lib = library()
+    if lib is None or not hasattr(lib, "nf_fwht_f32"):
+        return fwht(x, core)
+    n = x.shape[-1]
+    m = 1 if core is None else core.shape[0]
+    p = n // m
+    if m * p != n or p & (p - 1):
+        raise ValueError(f"fwht: width {n} is not {m}·2^k")
+    y = x.contiguous().clone()
+    c = None if core is None else core.to(torch.float32).contiguous()
+    rc = lib.nf_fwht_f32(y.data_ptr(), y.numel() // n if n else 0, m, p, None if c is None else c.data_ptr(),
+                         1.0 / math.sqrt(n))
+    if rc != 0:
+        return fwht(x, core)
+    return y
+

@@ -28,7 +28,7 @@ static inline int nf_num_threads(void) { return 1; }
 #endif
 
 #define NF_INLINE inline __attribute__((always_inline))
-#define NF_ABI_VERSION 4
+#define NF_ABI_VERSION 5
 /* Below this many elements per thread a parallel region costs more than it saves. Measured on the
  * Zen 5 EPYC, 2 threads, torch 2.13 (docs/kernels-cpu.md, "Threads for mid-sized inputs"): norms of
  * 16-64 K elements ran 4-18% faster on both threads than on one in isolation, and float32 / bfloat16
@@ -276,5 +276,62 @@ int nf_backward(int dtype, const void *dy, const void *ds, const void *x, int64_
 #endif
     }
     free(wo);
+    return 0;
+}
+
+/* ---- fast Walsh-Hadamard transform (online rotations) ----
+ * x: rows x (m*p) float32, contiguous, transformed in place: per row, per chunk c < m of p = 2^k values,
+ * log2(p) butterfly stages (a, b) -> (a + b, a - b) over pairs (i, i + h), h = 1, 2, ..., p/2 (the same
+ * adds in the same order as normfold.ops.hadamard.fwht); then, when core (m x m, row-major) is given,
+ * out[j] = sum_i core[i][j] * y[i] chunk by chunk (i ascending); finally times scale. Rows go in blocks of
+ * NF_FWHT_R, transposed into a scratch buffer so that every butterfly and every core term is one vector
+ * operation over NF_FWHT_R rows (the small strides h = 1, 2, 4 of a row do not vectorise otherwise).
+ * Returns 0, -1 on a bad argument, -2 when the scratch cannot be allocated. */
+#define NF_FWHT_R 8
+int nf_fwht_f32(float *x, int64_t rows, int64_t m, int64_t p, const float *core, float scale) {
+    if (!x || rows < 0 || m < 1 || p < 1 || (p & (p - 1))) return -1;
+    const int64_t n = m * p;
+    const int use_core = core && m > 1;
+    float *t = (float *)malloc((size_t)n * NF_FWHT_R * sizeof(float) * (use_core ? 2 : 1));
+    if (!t) return -2;
+    float *o = use_core ? t + n * NF_FWHT_R : t;
+    for (int64_t r0 = 0; r0 < rows; r0 += NF_FWHT_R) {
+        const int64_t rb = rows - r0 < NF_FWHT_R ? rows - r0 : NF_FWHT_R;
+        for (int64_t k = 0; k < NF_FWHT_R; k++) {
+            const float *src = x + (r0 + (k < rb ? k : 0)) * n;
+            for (int64_t i = 0; i < n; i++) t[i * NF_FWHT_R + k] = src[i];
+        }
+        for (int64_t c = 0; c < m; c++) {
+            float *y = t + c * p * NF_FWHT_R;
+            for (int64_t h = 1; h < p; h *= 2) {
+                for (int64_t i = 0; i < p; i += 2 * h) {
+                    for (int64_t j = i; j < i + h; j++) {
+                        float *a = y + j * NF_FWHT_R, *b = y + (j + h) * NF_FWHT_R;
+                        for (int k = 0; k < NF_FWHT_R; k++) {
+                            const float u = a[k], v = b[k];
+                            a[k] = u + v;
+                            b[k] = u - v;
+                        }
+                    }
+                }
+            }
+        }
+        if (use_core) {
+            for (int64_t j = 0; j < m; j++) {
+                float *oj = o + j * p * NF_FWHT_R;
+                for (int64_t q = 0; q < p * NF_FWHT_R; q++) oj[q] = 0.0f;
+                for (int64_t i = 0; i < m; i++) {
+                    const float cij = core[i * m + j];
+                    const float *yi = t + i * p * NF_FWHT_R;
+                    for (int64_t q = 0; q < p * NF_FWHT_R; q++) oj[q] += cij * yi[q];
+                }
+            }
+        }
+        for (int64_t k = 0; k < rb; k++) {
+            float *dst = x + (r0 + k) * n;
+            for (int64_t i = 0; i < n; i++) dst[i] = o[i * NF_FWHT_R + k] * scale;
+        }
+    }
+    free(t);
     return 0;
 }
