@@ -1,4 +1,4 @@
-"""`normfold export DIR --onnx OUT.onnx`."""
+"""`normfold export DIR --onnx OUT.onnx` and `normfold export DIR --ctranslate2 OUT`."""
 
 from __future__ import annotations
 
@@ -20,6 +20,14 @@ opset 18 or newer. Batch and sequence axes are dynamic where the exporter can ma
 --original exports the source model too (OUT with `-original` before the suffix) and compares both
 ONNX models with the original PyTorch model: the deployed conversion against what it replaces.
 --optimize applies onnxruntime's transformer optimizer (attention and norm fusions) to the file.
+
+--ctranslate2 OUT writes a CTranslate2 model directory instead (GPT-2, OPT, GPT-NeoX/Pythia, GPT-J,
+BLOOM, Falcon, GPT-BigCode, Whisper, mBART): RMSNorm wherever the stream is zero-mean inside the
+engine, LayerNorm (unit γ, zero β) where the engine cannot express normfold's Recenter step (the
+Whisper encoder after its conv stem, BLOOM and mBART after their embedding LayerNorm); the export
+prints which. --quantization picks the engine's weight type; the model is run once in CTranslate2
+against the PyTorch model (float32: within 1e-4 and the same greedy tokens, else exit 1; integer
+and half types: the error and top-1 agreement are printed).
 """
 
 EPILOG = """\
@@ -28,6 +36,7 @@ examples:
   normfold export ./gpt2-rms --onnx gpt2-rms.onnx                  opset 23: RMSNormalization
   normfold export ./gpt2-rms --onnx gpt2-rms.onnx --opset 18       decomposed norms (older runtimes)
   normfold export ./gpt2-rms --onnx gpt2-rms.onnx --original ./my-gpt2 --optimize
+  normfold export ./gpt2-rms --ctranslate2 ./gpt2-rms-ct2 --quantization int8
 
 exit codes: 0 ok, 1 the ONNX model's outputs differ from PyTorch's beyond tolerance,
             2 bad input (missing onnx packages, an opset that cannot express the model; nothing written)
@@ -42,7 +51,14 @@ def add_parser(sub) -> None:
     p = sub.add_parser("export", help="export a converted model to ONNX and check it in onnxruntime",
                        description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="DIR", help="converted checkpoint (normfold convert --out) or model directory")
-    p.add_argument("--onnx", required=True, metavar="OUT", help="the ONNX file to write")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--onnx", metavar="OUT", help="the ONNX file to write")
+    target.add_argument("--ctranslate2", metavar="OUT", help="the CTranslate2 model directory to write")
+    p.add_argument("--quantization", default="float32", metavar="TYPE",
+                   help="CTranslate2 weight type: float32 (default), int8, int8_float32, int16, float16, bfloat16")
+    p.add_argument("--int-weights", choices=("engine", "normfold"), default="engine",
+                   help="CTranslate2 int8: who rounds the weights: the engine (default) or normfold (per-row "
+                        "round-to-nearest in the model's own, e.g. rotated, basis; written as weight + weight_scale)")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 23: the first with RMSNormalization)")
     p.add_argument("--original", nargs="?", const="", default=None, metavar="MODEL",
                    help="also export the source model (default: the `source` in DIR's normfold.json) and "
@@ -68,7 +84,7 @@ def _inputs(model, args, model_dir):
     return example_inputs(model, torch.Generator().manual_seed(args.seed))
 
 
-def _load(path):
+def load_model(path):
     from pathlib import Path
 
     from .. import io
@@ -128,6 +144,10 @@ def _diff(got, want, centered):
 
 
 def run(args) -> int:
+    if args.ctranslate2 is not None:
+        from .export_ct2 import run_ct2
+
+        return run_ct2(args)
     from pathlib import Path
 
     from .. import deploy
@@ -148,7 +168,7 @@ def run(args) -> int:
             raise NormfoldError(f"{t.parent}: no such directory for the ONNX file")
     steps = Steps(total=2 + 2 * (args.original is not None) + 1, quiet=args.quiet)
     steps.start("load", f"loading {args.model}")
-    model, report = _load(args.model)
+    model, report = load_model(args.model)
     original = None
     if args.original is not None:
         src = getattr(report, "source", None) or {}
