@@ -190,3 +190,22 @@ def test_cli_refuses_existing_output(dirs, tmp_path, capsys):
     (out / "keep").write_text("x")
     assert main(["export", str(dirs / "gpt2"), "--ctranslate2", str(out), "-q"]) == 2
     assert "exists" in capsys.readouterr().err and (out / "keep").read_text() == "x"
+
+
+@pytest.mark.parametrize("family,index,head", [("gpt2", 0, "GPT2LMHeadModel"), ("falcon", 1, "FalconForCausalLM")])
+def test_rotated_model_runs_in_ctranslate2(family, index, head, tmp_path):
+    """A rotated checkpoint (Q·1 = 1 through the weights) is a model of the same architecture: it runs in
+    the engine, RMSNorm'd, within the float32 tolerance of the original (rotation adds float32 rounding)."""
+    original, conv, report = _models(family, index, head, rotate="hadamard")
+    spec = ct2.build_spec(conv, report)
+    assert any(n.form == "RMSNorm" for n in spec.norms)
+    out = ct2.write(spec, tmp_path / "rot", "float32")
+    inputs = ct2.check_inputs(conv, "generator", torch.Generator().manual_seed(1))
+    assert _rel(ct2.engine_logits(out, "generator", inputs), ct2.torch_logits(original, "generator", inputs)) <= TOL
+
+
+def test_explicit_rotation_is_refused(tmp_path):
+    """Whisper's encoder stream starts at the conv stem: its rotation is an explicit x·Q the engine cannot run."""
+    _, conv, report = _models("whisper", 0, "WhisperForConditionalGeneration", rotate="hadamard")
+    with pytest.raises(ct2.CTranslate2Error, match="explicit rotation"):
+        ct2.build_spec(conv, report)

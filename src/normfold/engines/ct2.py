@@ -99,6 +99,20 @@ def check_family(model: nn.Module) -> str:
     return loader
 
 
+def check_rotation(report) -> None:
+    """Refuse the rotation steps the engine has no place for: an explicit x·Q on a stream (after Whisper's conv
+    stem, BLOOM's / mBART's embedding norm) and online Hadamard transforms."""
+    rotation = getattr(getattr(report, "structure", None), "rotation", None) or {}
+    explicit = [e.get("path", "?") for e in rotation.get("explicit", []) or []]
+    if explicit:
+        raise CTranslate2Error(f"this rotated model applies an explicit rotation at {', '.join(explicit)} (a stream "
+                               "whose first writer is not a linear map); CTranslate2 has no step there. Export the "
+                               "model converted without --rotate")
+    if rotation.get("online"):
+        raise CTranslate2Error("this model has online Hadamard transforms (--rotate-online), which CTranslate2 "
+                               "cannot run; export the model converted without --rotate-online")
+
+
 def _norm_classes():
     from ..nn import RMSNorm
 
@@ -256,6 +270,7 @@ def build_spec(model: nn.Module, report=None, tokenizer=None) -> Ct2Spec:
     from ctranslate2.converters import transformers as ct2t
 
     loader_name = check_family(model)
+    check_rotation(report)
     # the loaders permute some weights in place and `optimize` quantizes in place what the spec holds:
     # they get a copy, the caller's model stays as it was
     model = copy.deepcopy(model)
