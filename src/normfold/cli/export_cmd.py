@@ -54,6 +54,10 @@ def add_parser(sub) -> None:
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--onnx", metavar="OUT", help="the ONNX file to write")
     target.add_argument("--ctranslate2", metavar="OUT", help="the CTranslate2 model directory to write")
+    p.add_argument("--quantize", choices=("int8", "int4"), default=None,
+                   help="ONNX: integer weights after the float check: int8 = onnxruntime's quantize_dynamic "
+                        "(per-channel int8 weights, per-tensor uint8 activations); int4 = MatMulNBits with "
+                        "normfold's 4-bit weights (blocks of 32 input columns); the error is reported")
     p.add_argument("--quantization", default="float32", metavar="TYPE",
                    help="CTranslate2 weight type: float32 (default), int8, int8_float32, int16, float16, bfloat16")
     p.add_argument("--int-weights", choices=("engine", "normfold"), default="engine",
@@ -125,6 +129,13 @@ def _export_checked(model, inputs, out, args, steps, label):
         got = deploy.run_onnx(tmp / out.name, info, inputs)
         with torch.no_grad():
             want = flatten_outputs(model(**inputs, **deploy.call_kwargs(model)))
+        if getattr(args, "quantize", None):
+            from ..engines import ort_quant
+
+            steps.note(f"quantizing to {args.quantize} after the float check")
+            ort_quant.quantize_file(tmp / out.name, args.quantize)
+            info.op_counts = deploy.op_counts(tmp / out.name)
+            info.quantized = deploy.run_onnx(tmp / out.name, info, inputs)
         for f in tmp.iterdir():  # the model and its external data file, if any
             os.replace(f, out.parent / f.name)
         info.path = out
@@ -156,6 +167,8 @@ def run(args) -> int:
     from ..verify import CENTERED_OUTPUTS
 
     deploy.require_onnx()
+    if args.quantization != "float32" or args.int_weights != "engine":
+        raise NormfoldError("--quantization and --int-weights are CTranslate2 options; with --onnx use --quantize")
     args.opset = deploy.DEFAULT_OPSET if args.opset is None else args.opset
     deploy.check_opset(args.opset)  # before any model is loaded: a refusal costs nothing
     out = Path(args.onnx)
@@ -184,9 +197,11 @@ def run(args) -> int:
     info, got, want = _export_checked(model, inputs, out, args, steps, "model")
     dtype = str(working_dtype(model)).replace("torch.", "")
     tol = TOLERANCE.get(dtype, 1e-4)
-    result = {"onnx": str(out), "opset": args.opset, "dtype": dtype, "tolerance": tol, "dynamic": info.dynamic,
+    result = {"onnx": str(out), "opset": args.opset, "quantize": args.quantize, "dtype": dtype, "tolerance": tol, "dynamic": info.dynamic,
               "optimized": args.optimize, "ops": info.op_counts,
               "onnx_vs_pytorch": _diff(got, want, ())}
+    if args.quantize:
+        result["quantized_vs_pytorch"] = _diff(info.quantized, want, ())
     if original is not None:
         oinfo, ogot, owant = _export_checked(original, inputs, orig_out, args, steps, "original")
         result["original"] = {"onnx": str(orig_out), "ops": oinfo.op_counts,
@@ -211,6 +226,9 @@ def _print(args, result: dict) -> None:
         print(json.dumps(result, indent=2))
         return
     rows = [_row("ONNX (onnxruntime) vs PyTorch, converted", result["onnx_vs_pytorch"])]
+    if "quantized_vs_pytorch" in result:
+        rows.append(_row(f"ONNX {result['quantize']} vs PyTorch, converted (not checked)",
+                         result["quantized_vs_pytorch"]))
     if "original" in result:
         rows.append(_row("ONNX converted vs PyTorch original", result["onnx_vs_original_pytorch"]))
         rows.append(_row("ONNX original vs PyTorch original", result["original"]["onnx_vs_pytorch"]))

@@ -44,8 +44,8 @@ def run_ct2(args) -> int:
     if args.int_weights == "normfold" and not args.quantization.startswith("int8"):
         raise ct2.CTranslate2Error(f"--int-weights normfold writes int8 weights: use --quantization int8 or "
                                    f"int8_float32, not {args.quantization}")
-    if args.original is not None or args.optimize or args.opset is not None or args.static:
-        raise ct2.CTranslate2Error("--original, --optimize, --opset and --static are ONNX options; "
+    if args.original is not None or args.optimize or args.opset is not None or args.static or args.quantize:
+        raise ct2.CTranslate2Error("--original, --optimize, --opset, --static and --quantize are ONNX options; "
                                    "not used with --ctranslate2")
     out = check_output_dir(args.ctranslate2, args.force)
     steps = Steps(total=4, quiet=args.quiet)
