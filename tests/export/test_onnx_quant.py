@@ -37,6 +37,17 @@ def test_quantize_weight_is_round_to_nearest(bits, group):
     assert (dequantize(iw).double() - w.double()).abs().le(s_full / 2 + 1e-6).all()
 
 
+def test_reduced_range_rows():
+    """The ±63 int8 rows (no int16 saturation of AVX2 u8·s8 pair sums): nearest on their own grid."""
+    torch.manual_seed(1)
+    w = torch.randn(5, 33) * 2
+    iw = quantize_weight(w, 8, method="rtn-reduced")
+    assert iw.q.abs().max() == 63 and iw.q.dtype == torch.int8
+    s = iw.scale.double()[:, None]
+    assert torch.allclose(iw.scale.double(), w.double().abs().amax(1) / 63, rtol=1e-6)
+    assert (dequantize(iw).double() - w.double()).abs().le(s / 2 + 1e-6).all()
+
+
 def test_matmulnbits_is_the_dequantized_matmul():
     """One MatMulNBits node with normfold's packing computes x · dequantize(q)ᵀ (float64 reference)."""
     pytest.importorskip("onnxruntime")

@@ -9,6 +9,9 @@ same inputs through:
 - ln-folded (CTranslate2): normfold's conversion with every norm written as LayerNorm (γ/β folded);
 - plain: normfold's default export (RMSNorm where the stream is zero-mean in the engine);
 - rotated: the same after `--rotate hadamard` (weights rounded by the engine in the rotated basis);
+- +reduced: the same three with int8 weights within ±63 (CTranslate2: normfold's own rows,
+  `normfold.quant` method "rtn-reduced"; onnxruntime: `quantize_dynamic(reduce_range=True)`), which keeps
+  the u8·s8 pair sums of AVX2 int8 GEMMs without VNNI out of int16 saturation;
 
 each teacher-forced along the input text: KL(p_float32 ‖ p_form) of the next-token distribution against
 the float32 PyTorch original (mean over positions, per input), top-1 agreement with it, perplexity, and
@@ -64,14 +67,14 @@ class Ct2Runner:
 
         self.ct2, self.tmp, self.qtype = ct2, tmp, qtype
 
-    def build(self, name: str, model, report=None, model_dir=None, stock=False):
+    def build(self, name: str, model, report=None, model_dir=None, stock=False, own=None):
         out = self.tmp / f"ct2-{name}-{self.qtype}"
         if stock and model_dir is not None:
             from ctranslate2.converters import TransformersConverter
 
             TransformersConverter(str(model_dir)).convert(str(out), quantization=self.qtype, force=True)
         else:
-            self.ct2.write(self.ct2.build_spec(model, report), out, self.qtype, force=True)
+            self.ct2.write(self.ct2.build_spec(model, report), out, self.qtype, force=True, own_weights=own)
         gen = self.ct2.generator(out, threads=1)
         return {"path": out, "gen": gen, "bytes": self.ct2.model_bytes(out)}
 
@@ -88,7 +91,7 @@ class OrtRunner:
     def __init__(self, tmp: Path, qtype: str):
         self.tmp, self.qtype = tmp, qtype
 
-    def build(self, name: str, model, report=None, model_dir=None, stock=False):
+    def build(self, name: str, model, report=None, model_dir=None, stock=False, own=None):
         from .. import deploy
         from ..engines import ort_quant
 
@@ -96,7 +99,7 @@ class OrtRunner:
         example = {"input_ids": torch.zeros(1, 16, dtype=torch.long)}
         info = deploy.export_onnx(model, example, path)
         if self.qtype == "int8":
-            ort_quant.quantize_file(path, "int8")
+            ort_quant.quantize_file(path, "int8", reduce_range=own == "rtn-reduced")
         elif self.qtype == "int4":
             ort_quant.quantize_file(path, "int4")
         sess = deploy.session(path, threads=1)
@@ -138,6 +141,11 @@ def evaluate(runner, name: str, original, model_dir, inputs, say, lm: bool, roun
     say(f"{runner.engine} {name}: plain, rotated")
     forms["plain"] = runner.build(f"{name}-plain", plain.eval(), rep)
     forms["rotated"] = runner.build(f"{name}-rotated", rot.eval(), rrep)
+    if True:  # CTranslate2: normfold's ±63 rows; onnxruntime: quantize_dynamic(reduce_range=True)
+        say(f"{runner.engine} {name}: reduced-range int8 weights (stock, plain, rotated)")
+        forms["stock+reduced"] = runner.build(f"{name}-stock-red", original, None, own="rtn-reduced")
+        forms["plain+reduced"] = runner.build(f"{name}-plain-red", plain.eval(), rep, own="rtn-reduced")
+        forms["rotated+reduced"] = runner.build(f"{name}-rotated-red", rot.eval(), rrep, own="rtn-reduced")
     with torch.no_grad():
         refs = [original(input_ids=ids, use_cache=False).logits.float() for ids in inputs]
     greedy = _greedy_paths(original, inputs)

@@ -60,9 +60,10 @@ def add_parser(sub) -> None:
                         "normfold's 4-bit weights (blocks of 32 input columns); the error is reported")
     p.add_argument("--quantization", default="float32", metavar="TYPE",
                    help="CTranslate2 weight type: float32 (default), int8, int8_float32, int16, float16, bfloat16")
-    p.add_argument("--int-weights", choices=("engine", "normfold"), default="engine",
-                   help="CTranslate2 int8: who rounds the weights: the engine (default) or normfold (per-row "
-                        "round-to-nearest in the model's own, e.g. rotated, basis; written as weight + weight_scale)")
+    p.add_argument("--int-weights", choices=("engine", "normfold", "normfold-reduced"), default="engine",
+                   help="CTranslate2 int8: who rounds the weights: the engine (default), normfold (per-row "
+                        "round-to-nearest in the model's own, e.g. rotated, basis; written as weight + weight_scale), "
+                        "or normfold within ±63 (no int16 saturation in AVX2 int8 GEMMs without VNNI)")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 23: the first with RMSNormalization)")
     p.add_argument("--original", nargs="?", const="", default=None, metavar="MODEL",
                    help="also export the source model (default: the `source` in DIR's normfold.json) and "

@@ -41,7 +41,7 @@ def run_ct2(args) -> int:
 
     ct2.require_ctranslate2()
     ct2.check_quantization(args.quantization)
-    if args.int_weights == "normfold" and not args.quantization.startswith("int8"):
+    if args.int_weights != "engine" and not args.quantization.startswith("int8"):
         raise ct2.CTranslate2Error(f"--int-weights normfold writes int8 weights: use --quantization int8 or "
                                    f"int8_float32, not {args.quantization}")
     if args.original is not None or args.optimize or args.opset is not None or args.static or args.quantize:
@@ -60,7 +60,7 @@ def run_ct2(args) -> int:
     files = ModelDir(args.model).auxiliary_files() if Path(args.model).is_dir() else []
     steps.start("write", f"writing {out} ({args.quantization})")
     ct2.write(spec, out, args.quantization, files=files, force=args.force,
-              own_weights="rtn" if args.int_weights == "normfold" else None)
+              own_weights={"normfold": "rtn", "normfold-reduced": "rtn-reduced"}.get(args.int_weights))
     steps.start("run", "running it in CTranslate2 and the model in PyTorch")
     gen = torch.Generator().manual_seed(args.seed)
     ids = None

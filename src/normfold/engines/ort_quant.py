@@ -25,14 +25,16 @@ from ..deploy import ExportError, require_onnx
 QUANTIZE = ("int8", "int4")
 
 
-def quantize_int8(src, dst) -> None:
+def quantize_int8(src, dst, reduce_range: bool = False) -> None:
+    """`reduce_range`: 7-bit weights (±63), which keeps AVX2 (non-VNNI) u8·s8 pair sums out of int16
+    saturation (see normfold.quant.integer.rtn_reduced)."""
     require_onnx()
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     logging.getLogger().setLevel(logging.ERROR)  # its "consider pre-processing" advice on every call
     with contextlib.redirect_stdout(io.StringIO()):
         quantize_dynamic(str(src), str(dst), per_channel=True, weight_type=QuantType.QInt8,
-                         op_types_to_quantize=["MatMul", "Gemm"])
+                         op_types_to_quantize=["MatMul", "Gemm"], reduce_range=reduce_range)
 
 
 def pack4(q: torch.Tensor, block_size: int) -> np.ndarray:
@@ -119,7 +121,7 @@ def quantize_file(path, kind: str, **kw) -> None:
     path = Path(path)
     tmp = path.with_name(path.stem + ".q" + path.suffix)
     if kind == "int8":
-        quantize_int8(path, tmp)
+        quantize_int8(path, tmp, **kw)
     else:
         quantize_int4(path, tmp, **kw)
     tmp.replace(path)

@@ -46,7 +46,24 @@ def rtn(weight: Tensor, bits: int, group_size: int | None) -> IntWeight:
     return IntWeight(q, scale[:, 0] if group_size is None else scale, bits, group_size)
 
 
-METHODS: dict[str, Callable[[Tensor, int, int | None], IntWeight]] = {"rtn": rtn}
+def rtn_reduced(weight: Tensor, bits: int, group_size: int | None) -> IntWeight:
+    """Round to nearest within one bit less of range (int8: ±63), stored as `bits`-bit integers.
+
+    For int8 GEMMs that multiply uint8 activations by int8 weights with `vpmaddubsw` (x86 AVX2 without
+    VNNI: CTranslate2's and onnxruntime's CPU int8 paths), each pair of products is summed in int16 with
+    saturation: 2 · 255 · 127 overflows it, 2 · 255 · 63 = 32130 does not. Halving the weight range costs
+    one bit of weight precision and removes the saturation (onnxruntime calls this `reduce_range`)."""
+    top = 2 ** (bits - 2) - 1
+    w = _blocks(weight.detach().to(torch.float64), group_size)
+    amax = w.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+    q = torch.clamp(torch.round(w / scale[..., None]), -top, top)
+    q = q.reshape(weight.shape[0], -1)[:, :weight.shape[1]].to(torch.int8)
+    scale = scale.to(torch.float32)
+    return IntWeight(q, scale[:, 0] if group_size is None else scale, bits, group_size)
+
+
+METHODS: dict[str, Callable[[Tensor, int, int | None], IntWeight]] = {"rtn": rtn, "rtn-reduced": rtn_reduced}
 
 
 def register_method(name: str, fn: Callable[[Tensor, int, int | None], IntWeight]) -> None:
