@@ -40,7 +40,7 @@ SPEED_COLUMNS = ["engine", "model", "form", "type", "ms_per_forward", "tokens_pe
                  "ratio_q25", "ratio_q75", "verdict"]
 
 
-def _kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
+def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
     p = torch.log_softmax(ref_logits.double(), -1)
     q = torch.log_softmax(logits.double(), -1)
     return float((p.exp() * (p - q)).sum(-1).mean())
@@ -154,7 +154,7 @@ def evaluate(runner, name: str, original, model_dir, inputs, say, lm: bool, roun
         kls, top1, ppl, geq = [], [], [], []
         for ids, ref, path in zip(inputs, refs, greedy):
             lg = runner.logits(h, ids)
-            kls.append(_kl(ref, lg))
+            kls.append(kl_divergence(ref, lg))
             top1.append(float((lg.argmax(-1) == ref.argmax(-1)).float().mean()))
             ppl.append(_ppl(lg, ids))
             gl = runner.logits(h, path)
