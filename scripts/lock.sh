@@ -9,6 +9,6 @@ cd "$(dirname "$0")/.."
 tools=${NORMFOLD_TOOLS_VENV:-.venv-tools}
 [ -x "$tools/bin/pip-compile" ] || { python3 -m venv "$tools" && "$tools/bin/pip" install -q "pip-tools==7.7.0"; }
 "$tools/bin/pip-compile" -q --upgrade --allow-unsafe --strip-extras --no-emit-index-url --no-emit-find-links \
-    --extra hf,dev,realmodel,triton,onnx,bench -c constraints.txt -o requirements/lock.txt \
+    --extra hf,dev,realmodel,triton,onnx,ctranslate2,bench -c constraints.txt -o requirements/lock.txt \
     pyproject.toml requirements/build.in
 echo "requirements/lock.txt: $(grep -c '==' requirements/lock.txt) packages pinned"

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("normfold.report", "normfold.sizes", "normfold.convert", "normfold.verify", "normfold.io",
      "normfold.fastpath"),
     ("normfold.compress", "normfold.unified", "normfold.train", "normfold.stream", "normfold.rotate",
-     "normfold.deploy", "normfold.quant"),
+     "normfold.deploy", "normfold.quant", "normfold.engines"),
     ("normfold.bench",),
     ("normfold.cli",),
     # the package's face, and the old module names kept for one release (they re-export a moved module)

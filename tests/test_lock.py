@@ -13,7 +13,7 @@ from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "requirements" / "lock.txt"
-LOCKED_EXTRAS = ("hf", "dev", "realmodel", "triton", "onnx", "bench")  # scripts/lock.sh's --extra
+LOCKED_EXTRAS = ("hf", "dev", "realmodel", "triton", "onnx", "ctranslate2", "bench")  # scripts/lock.sh's --extra
 
 
 def _lock() -> dict[str, str]:

@@ -113,6 +113,7 @@ class OnnxExport:
     dynamic: bool
     op_counts: dict[str, int] = field(default_factory=dict)
     note: str | None = None
+    quantized: dict | None = None  # outputs of the integer model, when one was made
 
 
 def _dynamic_shapes(args: tuple):

@@ -82,6 +82,9 @@ def add_parser(sub) -> None:
                    help="model: crmsnorm also times Pre-CRMSNorm (d-1 stream) and its zero-padded form (--pad)")
     p.add_argument("--eager", action="store_true", help="ops --device cuda: time eager launches (with Python "
                    "overhead) instead of CUDA-graph replays")
+    p.add_argument("--engine", choices=("ctranslate2", "onnxruntime"), default=None,
+                   help="quant: real int8 runs in this engine, paired per input against the engine's own "
+                        "conversion of the original (instead of fake quantization)")
     p.add_argument("--steps", type=int, help="train: optimizer steps (default 120)")
     p.add_argument("--gptq", action="store_true", help="quant: GPTQ vs round-to-nearest weights with clipping "
                    "search, group sizes, online rotations (writes quant_gptq.*)")
@@ -201,6 +204,16 @@ def _train(args):
 
 
 def _quant(args):
+    if args.engine and (args.gptq or args.calibration is not None):
+        raise BenchOptionError("'quant --engine' measures the engines' int8 runs; --gptq / --calibration are for the "
+                               "fake-quantized GPTQ comparison: run them separately")
+    if args.engine:
+        from ..bench import quant_engine
+
+        rows, _speed, paths = quant_engine.run(args.engine, args.model, args.out, inputs=8 if args.quick else 24,
+                                               rounds=args.rounds or (3 if args.quick else 15),
+                                               progress=not args.quiet, text=args.text)
+        return rows, paths
     from ..bench import quant
 
     if args.gptq:
@@ -239,12 +252,13 @@ ACCEPTS = {
     "un": {"quick", "rounds", "batches"},
     "train": {"quick", "steps", "text"},
     "train-speed": {"quick", "rounds", "no_compile", "dropout"},
-    "quant": {"model", "quick", "text", "gptq", "calibration"},
+    "quant": {"model", "quick", "text", "gptq", "calibration", "engine", "rounds"},
     "onnx": {"quick", "rounds"},
 }
 _DEFAULTS = {"model": None, "quick": False, "rounds": None, "device": "cpu", "compile": False, "models": None,
              "batches": None, "dtypes": None, "eager": False, "to": "rmsnorm",
-             "steps": None, "text": None, "gptq": False, "calibration": None, "no_compile": False, "dropout": False}
+             "steps": None, "text": None, "gptq": False, "calibration": None, "no_compile": False, "dropout": False,
+             "engine": None}
 
 
 class BenchOptionError(ValueError):

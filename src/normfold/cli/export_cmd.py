@@ -1,4 +1,4 @@
-"""`normfold export DIR --onnx OUT.onnx`."""
+"""`normfold export DIR --onnx OUT.onnx` and `normfold export DIR --ctranslate2 OUT`."""
 
 from __future__ import annotations
 
@@ -20,6 +20,14 @@ opset 18 or newer. Batch and sequence axes are dynamic where the exporter can ma
 --original exports the source model too (OUT with `-original` before the suffix) and compares both
 ONNX models with the original PyTorch model: the deployed conversion against what it replaces.
 --optimize applies onnxruntime's transformer optimizer (attention and norm fusions) to the file.
+
+--ctranslate2 OUT writes a CTranslate2 model directory instead (GPT-2, OPT, GPT-NeoX/Pythia, GPT-J,
+BLOOM, Falcon, GPT-BigCode, Whisper, mBART): RMSNorm wherever the stream is zero-mean inside the
+engine, LayerNorm (unit γ, zero β) where the engine cannot express normfold's Recenter step (the
+Whisper encoder after its conv stem, BLOOM and mBART after their embedding LayerNorm); the export
+prints which. --quantization picks the engine's weight type; the model is run once in CTranslate2
+against the PyTorch model (float32: within 1e-4 and the same greedy tokens, else exit 1; integer
+and half types: the error and top-1 agreement are printed).
 """
 
 EPILOG = """\
@@ -28,6 +36,7 @@ examples:
   normfold export ./gpt2-rms --onnx gpt2-rms.onnx                  opset 23: RMSNormalization
   normfold export ./gpt2-rms --onnx gpt2-rms.onnx --opset 18       decomposed norms (older runtimes)
   normfold export ./gpt2-rms --onnx gpt2-rms.onnx --original ./my-gpt2 --optimize
+  normfold export ./gpt2-rms --ctranslate2 ./gpt2-rms-ct2 --quantization int8
 
 exit codes: 0 ok, 1 the ONNX model's outputs differ from PyTorch's beyond tolerance,
             2 bad input (missing onnx packages, an opset that cannot express the model; nothing written)
@@ -42,7 +51,19 @@ def add_parser(sub) -> None:
     p = sub.add_parser("export", help="export a converted model to ONNX and check it in onnxruntime",
                        description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="DIR", help="converted checkpoint (normfold convert --out) or model directory")
-    p.add_argument("--onnx", required=True, metavar="OUT", help="the ONNX file to write")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--onnx", metavar="OUT", help="the ONNX file to write")
+    target.add_argument("--ctranslate2", metavar="OUT", help="the CTranslate2 model directory to write")
+    p.add_argument("--quantize", choices=("int8", "int4"), default=None,
+                   help="ONNX: integer weights after the float check: int8 = onnxruntime's quantize_dynamic "
+                        "(per-channel int8 weights, per-tensor uint8 activations); int4 = MatMulNBits with "
+                        "normfold's 4-bit weights (blocks of 32 input columns); the error is reported")
+    p.add_argument("--quantization", default="float32", metavar="TYPE",
+                   help="CTranslate2 weight type: float32 (default), int8, int8_float32, int16, float16, bfloat16")
+    p.add_argument("--int-weights", choices=("engine", "normfold", "normfold-reduced"), default="engine",
+                   help="CTranslate2 int8: who rounds the weights: the engine (default), normfold (per-row "
+                        "round-to-nearest in the model's own, e.g. rotated, basis; written as weight + weight_scale), "
+                        "or normfold within ±63 (no int16 saturation in AVX2 int8 GEMMs without VNNI)")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 23: the first with RMSNormalization)")
     p.add_argument("--original", nargs="?", const="", default=None, metavar="MODEL",
                    help="also export the source model (default: the `source` in DIR's normfold.json) and "
@@ -68,7 +89,7 @@ def _inputs(model, args, model_dir):
     return example_inputs(model, torch.Generator().manual_seed(args.seed))
 
 
-def _load(path):
+def load_model(path):
     from pathlib import Path
 
     from .. import io
@@ -109,6 +130,13 @@ def _export_checked(model, inputs, out, args, steps, label):
         got = deploy.run_onnx(tmp / out.name, info, inputs)
         with torch.no_grad():
             want = flatten_outputs(model(**inputs, **deploy.call_kwargs(model)))
+        if getattr(args, "quantize", None):
+            from ..engines import ort_quant
+
+            steps.note(f"quantizing to {args.quantize} after the float check")
+            ort_quant.quantize_file(tmp / out.name, args.quantize)
+            info.op_counts = deploy.op_counts(tmp / out.name)
+            info.quantized = deploy.run_onnx(tmp / out.name, info, inputs)
         for f in tmp.iterdir():  # the model and its external data file, if any
             os.replace(f, out.parent / f.name)
         info.path = out
@@ -128,6 +156,10 @@ def _diff(got, want, centered):
 
 
 def run(args) -> int:
+    if args.ctranslate2 is not None:
+        from .export_ct2 import run_ct2
+
+        return run_ct2(args)
     from pathlib import Path
 
     from .. import deploy
@@ -136,6 +168,8 @@ def run(args) -> int:
     from ..verify import CENTERED_OUTPUTS
 
     deploy.require_onnx()
+    if args.quantization != "float32" or args.int_weights != "engine":
+        raise NormfoldError("--quantization and --int-weights are CTranslate2 options; with --onnx use --quantize")
     args.opset = deploy.DEFAULT_OPSET if args.opset is None else args.opset
     deploy.check_opset(args.opset)  # before any model is loaded: a refusal costs nothing
     out = Path(args.onnx)
@@ -148,7 +182,7 @@ def run(args) -> int:
             raise NormfoldError(f"{t.parent}: no such directory for the ONNX file")
     steps = Steps(total=2 + 2 * (args.original is not None) + 1, quiet=args.quiet)
     steps.start("load", f"loading {args.model}")
-    model, report = _load(args.model)
+    model, report = load_model(args.model)
     original = None
     if args.original is not None:
         src = getattr(report, "source", None) or {}
@@ -164,9 +198,11 @@ def run(args) -> int:
     info, got, want = _export_checked(model, inputs, out, args, steps, "model")
     dtype = str(working_dtype(model)).replace("torch.", "")
     tol = TOLERANCE.get(dtype, 1e-4)
-    result = {"onnx": str(out), "opset": args.opset, "dtype": dtype, "tolerance": tol, "dynamic": info.dynamic,
+    result = {"onnx": str(out), "opset": args.opset, "quantize": args.quantize, "dtype": dtype, "tolerance": tol, "dynamic": info.dynamic,
               "optimized": args.optimize, "ops": info.op_counts,
               "onnx_vs_pytorch": _diff(got, want, ())}
+    if args.quantize:
+        result["quantized_vs_pytorch"] = _diff(info.quantized, want, ())
     if original is not None:
         oinfo, ogot, owant = _export_checked(original, inputs, orig_out, args, steps, "original")
         result["original"] = {"onnx": str(orig_out), "ops": oinfo.op_counts,
@@ -191,6 +227,9 @@ def _print(args, result: dict) -> None:
         print(json.dumps(result, indent=2))
         return
     rows = [_row("ONNX (onnxruntime) vs PyTorch, converted", result["onnx_vs_pytorch"])]
+    if "quantized_vs_pytorch" in result:
+        rows.append(_row(f"ONNX {result['quantize']} vs PyTorch, converted (not checked)",
+                         result["quantized_vs_pytorch"]))
     if "original" in result:
         rows.append(_row("ONNX converted vs PyTorch original", result["onnx_vs_original_pytorch"]))
         rows.append(_row("ONNX original vs PyTorch original", result["original"]["onnx_vs_pytorch"]))
