@@ -421,6 +421,9 @@ def retie_heads(model: nn.Module, plan: ConversionPlan, aliases: dict, compressi
     the vocab×d copy is replaced by the vocabulary's row means (vocab numbers)."""
     from .runtime import TiedCompressedHead
 
+    from ..convert import values_of
+
+    values = values_of(plan)  # on a meta model (normfold.stream) the checkpoint answers
     pad = bool(compression.get("pad"))
     shaped = set(compression.get("shapes", {}))
     ties = []
@@ -439,7 +442,7 @@ def retie_heads(model: nn.Module, plan: ConversionPlan, aliases: dict, compressi
                 if not isinstance(head, nn.Linear) or name not in aliases or aliases[name][0] not in tables:
                     continue
                 original = aliases[name][1]
-                if not head_unchanged(name, head.weight.detach(), original):
+                if not values.head_unchanged(name, head.weight.detach(), original):
                     continue  # the final norm's affine was folded into it: a different matrix now
                 table = get(model, tables[aliases[name][0]])
                 mean = tied_head_mean(original)
@@ -448,12 +451,6 @@ def retie_heads(model: nn.Module, plan: ConversionPlan, aliases: dict, compressi
                 setattr(parent, leaf, new)
                 ties.append({"head": r, "table": tables[aliases[name][0]], "bias": head.bias is not None})
     return ties
-
-
-def head_unchanged(name: str, weight: torch.Tensor, original: torch.Tensor) -> bool:
-    """Does the head `name` still hold the original tied table? (On a meta model, which has no values, the
-    streamed conversion answers this from the checkpoint: `normfold.stream.convert`.)"""
-    return torch.equal(weight, original)
 
 
 def compressed_value(name: str, value: torch.Tensor, compression: dict) -> torch.Tensor:

@@ -53,7 +53,7 @@ from ..nn import RMSNorm, TiedHead
 from ..report import ConversionReport, Structure
 from . import safetensors_io as st
 from .compute import CHUNK_BYTES, row_chunks
-from .plan import OutTensor, output_tensors
+from .plan import OutTensor, output_tensors, shard_files
 from .source import Source, StreamUnsupportedError, checkpoint_dtype
 from .writer import write_streamed
 
@@ -335,11 +335,10 @@ def stream_reverse(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
 
 
 def _assign_files(source: Source, report, outputs, names, tables) -> dict[str, list[OutTensor]]:
-    """One file, or (a sharded stock-reloadable source) the source's sharding: each tensor beside the tensor it
-    comes from, a fill beside its module's other tensors (else the first shard)."""
-    weights = io.STOCK_WEIGHTS if report.stock_reloadable else io.NORMFOLD_WEIGHTS
+    """`plan.shard_files` for a reverse conversion: each tensor beside the tensor it comes from, a fill beside its
+    module's other tensors (else the first shard)."""
     if not (source.sharded and report.stock_reloadable):
-        return {weights: list(outputs)}
+        return shard_files(source, report.stock_reloadable, outputs, None)
     index = {p: i for i, p in enumerate(source.shards)}
 
     def shard(name: str) -> int | None:
@@ -351,11 +350,9 @@ def _assign_files(source: Source, report, outputs, names, tables) -> dict[str, l
         k = shard(o.name)
         if k is not None:
             by_module.setdefault(o.name.rpartition(".")[0], k)
-    by_shard: dict[int, list[OutTensor]] = {}
-    for o in outputs:
+
+    def shard_of(o: OutTensor) -> int:
         k = shard(o.name)
-        if k is None:
-            k = by_module.get(o.name.rpartition(".")[0], 0)
-        by_shard.setdefault(k, []).append(o)
-    n = len(by_shard)
-    return {f"model-{j + 1:05d}-of-{n:05d}.safetensors": by_shard[k] for j, k in enumerate(sorted(by_shard))}
+        return by_module.get(o.name.rpartition(".")[0], 0) if k is None else k
+
+    return shard_files(source, report.stock_reloadable, outputs, shard_of)
