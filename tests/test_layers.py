@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("normfold.checkpoint", "normfold.checkpoint_guard"),
     ("normfold.adapters",),
     ("normfold.analysis",),
-    ("normfold.report", "normfold.sizes", "normfold.convert", "normfold.verify", "normfold.io",
+    ("normfold.report", "normfold.sizes", "normfold.conversion", "normfold.verify", "normfold.io",
      "normfold.fastpath"),
     ("normfold.compress", "normfold.unified", "normfold.train", "normfold.stream", "normfold.rotate",
      "normfold.deploy"),
@@ -156,9 +156,9 @@ def test_no_module_patches_or_reaches_another_at_run_time():
 def test_the_run_time_check_sees_a_patch_and_an_import_module():
     patched = """
 import importlib
-from ..compress import convert as compress_convert
+from ..compress import crmsnorm as compress_convert
 from .. import errors
-_convert = importlib.import_module("normfold.convert")
+_convert = importlib.import_module("normfold.conversion")
 _convert._is_zero = lambda t: True
 compress_convert.head_unchanged = None
 setattr(errors, "X", 1)
@@ -168,7 +168,7 @@ import importlib
 mod = importlib.import_module(f"{__name__}.gpt2")
 """
     assert rebinding({"normfold.stream.plan": (False, patched)}) == {
-        ("normfold.stream.plan", 'importlib.import_module(\'normfold.convert\')'),
+        ("normfold.stream.plan", 'importlib.import_module(\'normfold.conversion\')'),
         ("normfold.stream.plan", "assigns compress_convert.head_unchanged"),
         ("normfold.stream.plan", "setattr(errors, ...)")}
     assert rebinding({"normfold.adapters": (True, registry)}) == set()
@@ -192,11 +192,11 @@ def test_no_private_import_across_modules():
 
 
 def test_the_checks_see_an_upward_and_a_private_import(monkeypatch):
-    fake = [("normfold.ops.cpu", "normfold.cli", None), ("normfold.stream.convert", "normfold.convert", "_kept"),
+    fake = [("normfold.ops.cpu", "normfold.cli", None), ("normfold.stream.executor", "normfold.conversion", "_kept"),
             ("normfold.cli", "normfold.ops", None)]
     monkeypatch.setattr(__import__(__name__), "imports", lambda: fake)
     assert upward() == {("normfold.ops.cpu", "normfold.cli")}
-    assert private() == {("normfold.stream.convert", "normfold.convert._kept")}
+    assert private() == {("normfold.stream.executor", "normfold.conversion._kept")}
 
 
 if __name__ == "__main__":

@@ -158,7 +158,7 @@ def test_non_finite_weight_named(tmp_path):
 
 
 def test_row_chunks_never_leave_a_single_row():
-    from normfold.stream.convert import row_chunks
+    from normfold.stream.executor import row_chunks
 
     for n in range(1, 40):
         for rows in (1, 2, 3, 7):

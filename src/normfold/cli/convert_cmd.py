@@ -69,7 +69,7 @@ without --force (message on stderr, nothing written).
 
 
 def add_parser(sub) -> None:
-    from ..convert import VARIANTS
+    from ..conversion import VARIANTS
 
     p = sub.add_parser("convert", help=HELP, description=DESCRIPTION, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -195,7 +195,7 @@ def _run_in_memory(args) -> int:
     import torch
 
     from .. import io
-    from ..convert import convert
+    from ..conversion import convert
     from ..errors import NormfoldError, VerificationFailedError
     from ..options import ConvertOptions
 

@@ -131,7 +131,7 @@ def untie_heads(model: nn.Module, structure: Structure) -> None:
     per-token constant that every reader of the Pre-LN stream (a LayerNorm) ignores, so logits and
     normalized outputs are unchanged and the raw hidden states change by a per-token constant only.
     Otherwise the head becomes an untied nn.Linear holding (E' + μ1ᵀ)·diag γ."""
-    from ..convert import disable_weight_tying
+    from ..conversion import disable_weight_tying
 
     heads = [(n, m) for n, m in model.named_modules() if isinstance(m, TiedHead)]
     untied = False
@@ -279,7 +279,7 @@ def _steps(src: str, to: str, pad: bool) -> list[str]:
 
 
 def _run(model: nn.Module, steps: list[str], options: dict) -> tuple[nn.Module, ConversionReport | None]:
-    from ..convert import convert
+    from ..conversion import convert
 
     report = None
     for step in steps:
@@ -297,7 +297,7 @@ def convert_converted(model: nn.Module, to: str, *, inplace: bool = False, verif
                       inputs: dict | None = None, fp64_tol: float = 1e-9, progress=None,
                       variant_options: dict | None = None) -> tuple[nn.Module, ConversionReport]:
     """`normfold.convert(model, to)` for a model that already carries normfold norms."""
-    from ..convert import centered_outputs
+    from ..conversion import centered_outputs
     from ..verify import verify_conversion
 
     say = progress or (lambda msg: None)

@@ -12,8 +12,8 @@ from torch import nn
 from ..adapters.base import get, parent_and_leaf
 from ..algebra import layout_of, reused_buffers
 from ..algebra.rows import CENTER_CHUNK_BYTES, center_rows_in_place, row_chunks  # noqa: F401 (re-exported)
-from ..compress.convert import compressed_value, tied_head_mean
-from ..convert import center_writer_at, fold_scales, swap_norm, tied_head_shift, will_fold
+from ..compress.crmsnorm import compressed_value, tied_head_mean
+from ..conversion import center_writer_at, fold_scales, swap_norm, tied_head_shift, will_fold
 from ..errors import NonFiniteWeightsError
 from ..nn import TiedHead
 from ..options import ConvertOptions

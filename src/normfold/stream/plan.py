@@ -11,7 +11,7 @@ from torch import nn
 
 from .. import io
 from ..adapters.base import get
-from ..convert import TensorValues, fold_decision, will_fold
+from ..conversion import TensorValues, fold_decision, will_fold
 from ..modelinfo import working_dtype
 from ..options import ConvertOptions
 from ..report import ConversionReport

@@ -25,7 +25,7 @@ from .adapters import Adapter, ConversionPlan, NormSite
 from .adapters.base import get, parent_and_leaf
 from .errors import NonFiniteWeightsError, UnsupportedConversionError
 from .options import ConvertOptions, resolve as resolve_options
-from .modelinfo import working_dtype  # noqa: F401  (re-exported: normfold.convert.working_dtype)
+from .modelinfo import working_dtype  # noqa: F401  (re-exported: normfold.conversion.working_dtype)
 from .nn import RMSNorm
 from .nn.hooks import add_input_recenter, add_output_recenter
 from .report import TIE_NOTE, ConversionReport, NormRecord, Structure

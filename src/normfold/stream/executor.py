@@ -20,7 +20,7 @@ Two passes over one plan, both with the in-memory conversion's own code (normfol
 Tensors no edit touches are copied file to file in bounded chunks (checked finite on the way).
 
 `--to crmsnorm` (and `pad`) streams too: the structure pass runs the crmsnorm variant on the meta model, and each
-computed Pre-RMSNorm tensor then goes through `compress.convert.compressed_value`, the compression's own
+computed Pre-RMSNorm tensor then goes through `compress.crmsnorm.compressed_value`, the compression's own
 per-tensor operations (same bytes as the in-memory conversion). Reading, computing and writing overlap (a reader
 and a writer thread, `writer.write_checkpoint`), and freed tensor memory is reused within a budget
 (`safetensors_io.reuse_freed_memory`). `prepare` does every check that needs no weights: the CLI's
@@ -50,8 +50,8 @@ from torch import nn
 
 from .. import checkpoint
 from ..adapters import find_adapter
-from ..convert import VARIANTS, edited_params, finish_report, new_report, recentre_tied_tables
-from ..convert import untie as untie_params
+from ..conversion import VARIANTS, edited_params, finish_report, new_report, recentre_tied_tables
+from ..conversion import untie as untie_params
 from ..errors import NormfoldError
 from ..options import ConvertOptions, resolve as resolve_options
 from ..report import ConversionReport

@@ -364,7 +364,7 @@ def compress(model: nn.Module, plan: ConversionPlan, report, pad: bool = False) 
 
 def apply_crmsnorm(model: nn.Module, plan: ConversionPlan, options, report) -> None:
     """The `crmsnorm` variant: Pre-LN → Pre-RMSNorm → Pre-CRMSNorm, in place."""
-    from ..convert import apply_rmsnorm
+    from ..conversion import apply_rmsnorm
 
     opts = options.target_options() if hasattr(options, "target_options") else dict(options.variant_options or {})
     unknown = sorted(set(opts) - set(OPTIONS))
@@ -382,7 +382,7 @@ def apply_crmsnorm(model: nn.Module, plan: ConversionPlan, options, report) -> N
     aliases = _aliases(model)
     # a tied table kept the original where the family allows (idempotent: convert and stream rewrote it already;
     # the float64 re-conversion of the verification passes the adapter's own plan)
-    from ..convert import recentre_tied_tables
+    from ..conversion import recentre_tied_tables
 
     rewritten = recentre_tied_tables(model, plan, options)
     if rewritten is not plan:
@@ -421,7 +421,7 @@ def retie_heads(model: nn.Module, plan: ConversionPlan, aliases: dict, compressi
     the vocab×d copy is replaced by the vocabulary's row means (vocab numbers)."""
     from .runtime import TiedCompressedHead
 
-    from ..convert import values_of
+    from ..conversion import values_of
 
     values = values_of(plan)  # on a meta model (normfold.stream) the checkpoint answers
     pad = bool(compression.get("pad"))
