@@ -173,3 +173,19 @@ def test_one_message_per_rule():
                          (ConvertOptions(rotate="hadamard", keep_affine=True), "--rotate needs every norm")]:
         with pytest.raises(UnsupportedConversionError, match=message):
             bad.check()
+
+
+def test_an_options_record_with_an_unknown_field_is_refused(tmp_path):
+    """normfold.json is untrusted input: its `options` record is checked field by field like the rest."""
+    import json
+
+    from normfold.errors import ReportSchemaError
+    from normfold.report import ConversionReport
+
+    conv, report = normfold.convert(gpt2(), verify=False)
+    d = json.loads(report.to_json())
+    assert d["options"]["version"] == normfold.options.OPTIONS_VERSION
+    assert ConversionReport.from_dict(d).options == d["options"]
+    d["options"]["rotate_sed"] = 3
+    with pytest.raises(ReportSchemaError, match="rotate_sed"):
+        ConversionReport.from_dict(d)

@@ -185,6 +185,8 @@ class ConversionReport:
         cannot read)."""
         version = check_version(d)
         check(d, ReportSpec, "normfold.json")
+        if d.get("options") is not None:
+            check(d["options"], OptionsSpec, "options")
         if version < 2 and "weight_files" in d:
             raise ReportSchemaError("normfold.json: field 'weight_files' is not part of report format 1")
         from .checkpoint import plain_name
@@ -321,7 +323,7 @@ class ReportSpec:
     size: dict = field(default_factory=dict)
     weight_files: dict[str, WeightFileSpec] = field(default_factory=dict)
     reload: dict = field(default_factory=dict)  # informational (ConversionReport.reload()); recomputed, not read
-    options: Optional[OptionsSpec] = None  # the ConvertOptions of the conversion (ConvertOptions.to_record)
+    options: Optional[dict] = None  # the ConvertOptions of the conversion (ConvertOptions.to_record): OptionsSpec
 
 
 MAX_INT = 2**53  # larger integers are not exact in JSON readers; no width, count or size gets near it
