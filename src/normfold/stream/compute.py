@@ -44,6 +44,7 @@ class Computer:
         # (Pre-CRMSNorm: the d−1 results take slabs too, about as many bytes again)
         self.slabs = st.Slabs(budget=SLAB_BYTES * (1 if compression is None else 2))
         self.scratch: dict = {}  # fold_affine's float64 copy and rounded result, reused (algebra.reused_buffers)
+        self.aliases: dict[str, str] = {}  # output name -> the computed parameter it is tied to (plan.tied_aliases)
 
     def derived(self, name: str) -> torch.Tensor:
         """An output computed from source tensors outside any edit (a tied compressed head's row means, in row
@@ -145,7 +146,7 @@ class Computer:
             with reused_buffers(self.scratch):
                 for batch in batches(comp.edits):
                     self._apply(batch)
-            out = {k: get(self.model, k).detach() for k in keys}
+            out = {k: get(self.model, self.aliases.get(k, k)).detach() for k in keys}
             if self.compression is not None:
                 # float64 temporaries reused; each new (d−1) result in a recycled read buffer (free again once
                 # the writer has dropped it), not fresh memory

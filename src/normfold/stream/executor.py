@@ -57,7 +57,7 @@ from ..options import ConvertOptions, resolve as resolve_options
 from ..report import ConversionReport
 from .compute import CHUNK_BYTES, Computer, row_chunks  # noqa: F401 (re-exported)
 from .plan import (PENDING, assign_files, checkpoint_values, components, output_tensors,  # noqa: F401
-                   owners, plan_edits)
+                   owners, plan_edits, tied_aliases)
 from .source import (INDEX, Source, StreamUnsupportedError, checkpoint_dtype, meta_model, open_source,  # noqa: F401
                      source_names, weight_files)
 from .writer import write_streamed
@@ -216,6 +216,9 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     else:
         computer = Computer(values_model, plan, options, source, names, compression)
     owner = {k: v for k, v in owner.items() if k not in computer.head_means}  # computed from the source table
+    tied = tied_aliases(structure_model, [o for o in outputs if o.name not in computer.head_means], owner, comps)
+    computer.aliases = {a: name for a, (name, _) in tied.items()}
+    owner.update({a: i for a, (_, i) in tied.items()})
     files = assign_files(source, report, outputs, owner, comps, names)
     return write_streamed(out, files, outputs, owner, comps, computer, names, source, say, structure_model, report, t0)
 

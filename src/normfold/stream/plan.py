@@ -222,6 +222,32 @@ def owners(comps: list[Component], outputs: list[OutTensor]) -> dict[str, int]:
 
 
 
+def tied_aliases(model: nn.Module, outputs: list[OutTensor], owner: dict[str, int],
+                 comps: list[Component]) -> dict[str, tuple[str, int]]:
+    """{output name: (the computed parameter it shares one tensor with in the converted (structure) model, its
+    component)} for outputs no edit owns: a table the conversion re-ties to a centred one (BART's `shared`,
+    handed to encoder and decoder, is the centred table again after `conversion.keep_ties`) takes that table's
+    value, not the source's bytes."""
+    where: dict[str, int] = {}
+    for i, c in enumerate(comps):
+        for m in c.modules + c.params:
+            where.setdefault(m, i)
+    state = model.state_dict(keep_vars=True)
+    computed: dict[int, list[tuple[str, int]]] = {}
+    for name, t in state.items():
+        i = where.get(name, where.get(name.rpartition(".")[0]))
+        if i is not None:
+            computed.setdefault(id(t), []).append((name, i))
+    out = {}
+    for o in outputs:
+        if o.fill is not None or o.name in owner or o.name not in state:
+            continue
+        others = [c for c in computed.get(id(state[o.name]), []) if c[0] != o.name]
+        if others:
+            out[o.name] = others[0]
+    return out
+
+
 def shard_files(source: Source, stock_reloadable: bool, outputs: list[OutTensor],
                 shard_of) -> dict[str, list[OutTensor]]:
     """Output file -> tensors, for every streamed conversion (forward and reverse): one file, or, for a sharded
