@@ -76,8 +76,8 @@ def test_the_finder_sees_cycles():
 
 def test_the_graph_sees_function_level_imports():
     g = import_graph()
-    assert "normfold.verify" in g["normfold.convert"]
-    assert "normfold.analysis.autoplan" in g["normfold.convert"]  # imported inside convert()
+    assert "normfold.verify" in g["normfold.conversion"]
+    assert "normfold.analysis.autoplan" in g["normfold.conversion"]  # imported inside convert()
 
 
 def test_no_import_cycle():

@@ -21,15 +21,15 @@ LAYERS: list[tuple[str, ...]] = [
     ("normfold.nn",),
     ("normfold.checkpoint", "normfold.checkpoint_guard"),
     ("normfold.adapters",),
-    ("normfold.analysis", "normfold.autoplan"),
-    ("normfold.report", "normfold.sizes", "normfold.convert", "normfold.verify", "normfold.io",
+    ("normfold.analysis",),
+    ("normfold.report", "normfold.sizes", "normfold.conversion", "normfold.verify", "normfold.io",
      "normfold.fastpath"),
     ("normfold.compress", "normfold.unified", "normfold.train", "normfold.stream", "normfold.rotate",
      "normfold.deploy", "normfold.quant", "normfold.engines"),
     ("normfold.bench",),
     ("normfold.cli",),
-    # the package's face, and the old module names kept for one release (they re-export a moved module)
-    ("normfold", "normfold.__main__", "normfold.un", "normfold.fuse", "normfold.autoplan"),
+    # the package's face
+    ("normfold", "normfold.__main__"),
 ]
 
 def layer_of(module: str) -> int:
@@ -91,6 +91,89 @@ def private() -> set[tuple[str, str]]:
     return bad
 
 
+def _module_aliases(mod: str, is_package: bool, tree: ast.AST, files: set[str]) -> set[str]:
+    """Names bound in `mod` to another normfold module (`import normfold.x as y`, `from . import x`)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("normfold") and a.name != mod:
+                    names.add(a.asname or a.name.partition(".")[0])
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(mod, is_package, node)
+            for a in node.names:
+                if f"{base}.{a.name}" in files and f"{base}.{a.name}" != mod:
+                    names.add(a.asname or a.name)
+    return names
+
+
+def _root(node: ast.AST) -> str | None:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def rebinding(sources: dict[str, tuple[bool, str]] | None = None) -> set[tuple[str, str]]:
+    """Run-time reach into another normfold module: an attribute assigned (or `setattr`, `delattr`) on a name
+    bound to one, and `importlib.import_module` of a normfold module other than the importer's own submodules
+    (`f"{__name__}.{name}"`, how a registry loads its parts). Either would let one module patch or reach
+    another past the import rules above."""
+    if sources is None:  # {module: (is a package, source text)}
+        sources = {_module_name(p): (p.name == "__init__.py", p.read_text()) for p in SRC.rglob("*.py")}
+    files = {_module_name(p) for p in SRC.rglob("*.py")}
+    bad = set()
+    for mod, (is_package, text) in sources.items():
+        tree = ast.parse(text, mod)
+        aliases = _module_aliases(mod, is_package, tree, files)
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+                targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+            for t in targets:
+                if isinstance(t, ast.Attribute) and _root(t) in aliases:
+                    bad.add((mod, f"assigns {ast.unparse(t)}"))
+            if not isinstance(node, ast.Call):
+                continue
+            func = ast.unparse(node.func)
+            if func in ("setattr", "delattr") and node.args and _root(node.args[0]) in aliases:
+                bad.add((mod, f"{func}({ast.unparse(node.args[0])}, ...)"))
+            if func in ("importlib.import_module", "import_module", "__import__") and node.args:
+                arg = node.args[0]
+                own = isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.FormattedValue) \
+                    and ast.unparse(arg.values[0].value) == "__name__"
+                literal = isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+                if not own and (not literal or arg.value.startswith("normfold")):
+                    bad.add((mod, f"{func}({ast.unparse(arg)})"))
+    return bad
+
+
+def test_no_module_patches_or_reaches_another_at_run_time():
+    bad = sorted(rebinding())
+    assert not bad, "run-time reach into another normfold module (pass what it needs instead): " + ", ".join(
+        f"{a} {b}" for a, b in bad)
+
+
+def test_the_run_time_check_sees_a_patch_and_an_import_module():
+    patched = """
+import importlib
+from ..compress import crmsnorm as compress_convert
+from .. import errors
+_convert = importlib.import_module("normfold.conversion")
+_convert._is_zero = lambda t: True
+compress_convert.head_unchanged = None
+setattr(errors, "X", 1)
+"""
+    registry = """
+import importlib
+mod = importlib.import_module(f"{__name__}.gpt2")
+"""
+    assert rebinding({"normfold.stream.plan": (False, patched)}) == {
+        ("normfold.stream.plan", 'importlib.import_module(\'normfold.conversion\')'),
+        ("normfold.stream.plan", "assigns compress_convert.head_unchanged"),
+        ("normfold.stream.plan", "setattr(errors, ...)")}
+    assert rebinding({"normfold.adapters": (True, registry)}) == set()
+
+
 def test_layers_cover_every_module():
     for p in SRC.rglob("*.py"):
         layer_of(_module_name(p))
@@ -109,11 +192,11 @@ def test_no_private_import_across_modules():
 
 
 def test_the_checks_see_an_upward_and_a_private_import(monkeypatch):
-    fake = [("normfold.ops.cpu", "normfold.cli", None), ("normfold.stream.convert", "normfold.convert", "_kept"),
+    fake = [("normfold.ops.cpu", "normfold.cli", None), ("normfold.stream.executor", "normfold.conversion", "_kept"),
             ("normfold.cli", "normfold.ops", None)]
     monkeypatch.setattr(__import__(__name__), "imports", lambda: fake)
     assert upward() == {("normfold.ops.cpu", "normfold.cli")}
-    assert private() == {("normfold.stream.convert", "normfold.convert._kept")}
+    assert private() == {("normfold.stream.executor", "normfold.conversion._kept")}
 
 
 if __name__ == "__main__":
@@ -121,3 +204,5 @@ if __name__ == "__main__":
         print(f"upward   {a} -> {b}")
     for a, b in sorted(private()):
         print(f"private  {a} imports {b}")
+    for a, b in sorted(rebinding()):
+        print(f"reach    {a} {b}")

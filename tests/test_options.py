@@ -1,9 +1,10 @@
 """One options object (issue 27): `normfold.ConvertOptions` or the same keywords give the same conversion in
-convert, stream_convert, train.prepare and train.export; the old spellings still work with a
-DeprecationWarning. Outputs are compared, not flags."""
+convert, stream_convert, train.prepare and train.export, checked by one method (`ConvertOptions.check`) and
+recorded in normfold.json. Outputs are compared, not flags."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -69,24 +70,15 @@ def test_a_keyword_overrides_the_objects_field():
     assert same_state(a, b)
 
 
-def test_old_pad_spelling_warns_and_means_the_same():
-    model = gpt2()
-    with pytest.warns(DeprecationWarning, match="pad"):
-        old, _ = normfold.convert(model, to="crmsnorm", variant_options={"pad": True})
-    new, _ = normfold.convert(model, to="crmsnorm", pad=True)
-    assert same_state(old, new)
-
-
 def test_pad_is_refused_for_rmsnorm():
     with pytest.raises(UnsupportedConversionError, match="takes no options"):
         normfold.convert(gpt2(), to="rmsnorm", pad=True)
 
 
-def test_prepare_keep_affine_and_the_deprecated_fold():
+def test_prepare_keep_affine():
     a, b, c = gpt2(), gpt2(), gpt2()
     nftrain.prepare(a, options=ConvertOptions(keep_affine=False))
-    with pytest.warns(DeprecationWarning, match="keep_affine"):
-        nftrain.prepare(b, fold=True)
+    nftrain.prepare(b, keep_affine=False)
     nftrain.prepare(c)  # default for rmsnorm: γ/β kept in the norm
     assert nftrain.state(a).fold and nftrain.state(b).fold and not nftrain.state(c).fold
     ref = run_flat(gpt2(), IDS)["logits"]
@@ -131,17 +123,10 @@ def test_stream_convert_takes_the_options(tmp_path):
 
 
 def test_renamed_functions_keep_their_old_names_for_one_release():
-    import importlib
-
     from normfold import ops
-
-    convert_module = importlib.import_module("normfold.convert")  # the function shadows the module name
 
     with pytest.warns(DeprecationWarning, match="load_kernels"):
         ops.prepare()
-    model = gpt2()
-    with pytest.warns(DeprecationWarning, match="center_writer_at"):
-        convert_module.center_writer(model, "transformer.wte.weight")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ops.load_kernels()
@@ -162,3 +147,45 @@ def test_rotation_is_refused_where_it_has_no_form(tmp_path):
         with pytest.raises(StreamUnsupportedError, match="rotate"):
             stream_convert(tmp_path / "src", tmp_path / "out", options=opts)
     assert list((tmp_path / "out").iterdir()) == []  # refused before anything was written
+
+
+def test_options_round_trip_through_normfold_json(tmp_path):
+    """normfold.json records the checked options (a versioned record) and reads them back as the same object."""
+    from normfold.report import OptionsSpec
+
+    assert [f.name for f in dataclasses.fields(OptionsSpec)] == ["version", *normfold.options.FIELDS]
+    model = gpt2()
+    options = ConvertOptions(to="rmsnorm", fold_final=True, allow_new_bias=True)
+    conv, report = normfold.convert(model, options=options, verify=False)
+    normfold.save(conv, report, tmp_path / "out")
+    loaded = normfold.io.read_report(tmp_path / "out")
+    assert ConvertOptions.from_record(loaded.options) == options.replace(keep_affine=False)
+    rotated = ConvertOptions(rotate="hadamard", rotate_seed=3)
+    assert ConvertOptions.from_record(rotated.check().to_record()) == rotated.check()
+    assert rotated.check().fold_final and rotated.check().untie
+
+
+def test_one_message_per_rule():
+    for bad, message in [(ConvertOptions(rotate_online=True), "--rotate-online needs --rotate"),
+                         (ConvertOptions(pad=True), "--pad applies to --to crmsnorm only"),
+                         (ConvertOptions(to="crmsnorm", untie=True), "--untie applies to --to rmsnorm only"),
+                         (ConvertOptions(to="crmsnorm", rotate="hadamard"), "--rotate works with --to rmsnorm"),
+                         (ConvertOptions(rotate="hadamard", keep_affine=True), "--rotate needs every norm")]:
+        with pytest.raises(UnsupportedConversionError, match=message):
+            bad.check()
+
+
+def test_an_options_record_with_an_unknown_field_is_refused(tmp_path):
+    """normfold.json is untrusted input: its `options` record is checked field by field like the rest."""
+    import json
+
+    from normfold.errors import ReportSchemaError
+    from normfold.report import ConversionReport
+
+    conv, report = normfold.convert(gpt2(), verify=False)
+    d = json.loads(report.to_json())
+    assert d["options"]["version"] == normfold.options.OPTIONS_VERSION
+    assert ConversionReport.from_dict(d).options == d["options"]
+    d["options"]["rotate_sed"] = 3
+    with pytest.raises(ReportSchemaError, match="rotate_sed"):
+        ConversionReport.from_dict(d)

@@ -18,7 +18,7 @@ from torch import nn
 import normfold
 from helpers import realistic, rel_err, run_flat
 from normfold.adapters import list_adapters
-from normfold.convert import recentre_tied_tables
+from normfold.conversion import recentre_tied_tables
 from normfold.options import ConvertOptions
 
 transformers = pytest.importorskip("transformers")

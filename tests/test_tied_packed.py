@@ -27,7 +27,7 @@ def _pack_float64_too(monkeypatch):
     Recenter form carry, and that fold_final still makes: `--to rmsnorm` now keeps the original table and a
     stock head by default (tests/test_ties.py)."""
     monkeypatch.setattr(tied, "AUG_DTYPES", frozenset({torch.bfloat16, torch.float64}))
-    _convert = importlib.import_module("normfold.convert")  # the module (the package attribute is the function)
+    _convert = importlib.import_module("normfold.conversion")  # the module (the package attribute is the function)
     monkeypatch.setattr(_convert, "recentre_tied_tables", lambda model, plan, options: plan)
 
 

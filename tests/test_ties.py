@@ -21,7 +21,7 @@ from torch import nn
 import normfold
 from helpers import realistic, rel_err, run_flat
 from normfold.adapters import list_adapters
-from normfold.compress.convert import TIE_ENTRY
+from normfold.compress.crmsnorm import TIE_ENTRY
 from normfold.nn import TiedHead
 
 transformers = pytest.importorskip("transformers")
@@ -69,7 +69,7 @@ def test_every_tied_family_is_covered():
 
 def _old_form(monkeypatch):
     """Convert as normfold did before the Recenter form: the tied table centred, the head an nn.TiedHead."""
-    _convert = importlib.import_module("normfold.convert")  # the module (the package attribute is the function)
+    _convert = importlib.import_module("normfold.conversion")  # the module (the package attribute is the function)
     monkeypatch.setattr(_convert, "recentre_tied_tables", lambda model, plan, options: plan)
 
 
@@ -504,7 +504,7 @@ def test_back_to_layernorm_restores_the_stock_tie_and_crmsnorm_keeps_it(family, 
     """--to layernorm from a tied Pre-RMSNorm model: the table gets its row means back and the head is the
     stock tied Linear again (every reader of the Pre-LN stream ignores the per-token constant), so plain
     transformers reloads it with the original's size. --to crmsnorm from it keeps the tie: the original table
-    where the family's entry is registered (compress.convert.TIE_ENTRY: all three), else the compressed one."""
+    where the family's entry is registered (compress.crmsnorm.TIE_ENTRY: all three), else the compressed one."""
     adapter, ex = _example(family, example)
     model = build(ex, head, torch.float64)
     inputs = adapter.example_inputs(model, torch.Generator().manual_seed(0))

@@ -1,5 +1,5 @@
 """A tied embedding/head kept in the original by `--to crmsnorm` (GPT-2, GPT-Neo, GPT-BigCode, OPT, GPT-NeoX, Phi,
-Falcon, the Whisper decoder, BART, mBART, BERT, RoBERTa, DistilBERT, ELECTRA: `compress.convert.TIE_ENTRY`).
+Falcon, the Whisper decoder, BART, mBART, BERT, RoBERTa, DistilBERT, ELECTRA: `compress.crmsnorm.TIE_ENTRY`).
 
 The d−1 stream needs a compression point after the summed embeddings: the stream is recentred and compressed
 on the input of the first block (`structure.compression.compress_before`), so wte (shared with the stock
@@ -15,7 +15,7 @@ import normfold
 from helpers import realistic, rel_err, run_flat
 from normfold.adapters import get_adapter
 from normfold.compress import TiedCompressedHead
-from normfold.compress.convert import TIE_ENTRY
+from normfold.compress.crmsnorm import TIE_ENTRY
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

@@ -1,6 +1,6 @@
 """`--auto --to crmsnorm` keeps a tied table as the original tensor (issue 24, item 1), as the adapter path does
 (tests/test_ties_crms.py): the entry point of the summed embeddings is read from the plan the analysis derives
-(`compress.convert.derived_tie_entries`: the first Pre-LN block, or the embedding norms of a Post-LN model), not
+(`compress.crmsnorm.derived_tie_entries`: the first Pre-LN block, or the embedding norms of a Post-LN model), not
 from the adapter's TIE_ENTRY. References: the original model in float64, and the adapter path's edits.
 """
 
@@ -100,7 +100,7 @@ def test_model_without_adapter_keeps_the_tie(key, entry, tmp_path):
 def test_no_entry_in_the_plan_keeps_the_untied_form_and_says_why():
     """A stream whose shape the plan does not pin down (two Pre-LN block lists in one derived stream, a Recenter)
     gets no entry; the conversion then keeps today's untied form with a note naming the reason."""
-    from normfold.compress.convert import derived_tie_entries
+    from normfold.compress.crmsnorm import derived_tie_entries
 
     two = StreamPlan("analysis", writers=["enc.embed", "enc.layers.0.out", "dec.embed", "dec.layers.0.out"],
                      norms=[NormSite("enc.layers.0.ln"), NormSite("dec.layers.0.ln")])

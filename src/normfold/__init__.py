@@ -14,7 +14,7 @@ from ._version import __version__  # noqa: E402,F401
 
 from .errors import NormfoldError  # noqa: E402
 from .options import ConvertOptions  # noqa: E402
-from .convert import convert  # noqa: E402  (the function shadows the submodule name on purpose)
+from .conversion import convert  # noqa: E402  (the module is normfold.conversion; normfold.convert is the function)
 from .io import load, save  # noqa: E402
 from .unified import variant as _un  # noqa: E402,F401  (registers the "un" conversion variant)
 from . import compress as _compress  # noqa: E402,F401  (registers "crmsnorm" and the reverse conversions)

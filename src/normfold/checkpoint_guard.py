@@ -11,13 +11,12 @@ checkpoint), so a truncated file, an absurd header or a pickle with code in it e
 from __future__ import annotations
 
 import json
-import math
 import os
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .checkpoint import ModelDir, weight_files
+from .checkpoint.safetensors_format import WHAT_TO_DO, read_header
 from .errors import CheckpointError, NormfoldError
 
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -25,12 +24,7 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_SINGLE = "pytorch_model.bin"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 
-# bytes per element of every dtype the safetensors format defines
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-             "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit for the JSON header
-
-_WHAT_TO_DO = "re-download or re-export the checkpoint (e.g. save_pretrained with safetensors)"
+_WHAT_TO_DO = WHAT_TO_DO
 
 
 class RemoteCodeError(NormfoldError):
@@ -91,56 +85,10 @@ def inspect_checkpoint(directory: str | os.PathLike) -> CheckpointInfo:
 
 
 def read_safetensors_header(path: Path) -> list[TensorEntry]:
-    """Validate one safetensors file's header against its size; return its tensors."""
-    size = path.stat().st_size
-    where = f"{path}"
-    if size < 8:
-        raise CheckpointError(f"{where} is {'empty' if size == 0 else f'only {size} bytes'}, not a safetensors "
-                              f"file: {_WHAT_TO_DO}")
-    with open(path, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        if n < 2 or n > min(size - 8, MAX_HEADER):
-            raise CheckpointError(f"{where}: corrupted safetensors header (its length field says {n} bytes, the "
-                                  f"file has {size}); the file is truncated or not safetensors: {_WHAT_TO_DO}")
-        raw = fh.read(n)
-    try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("the header is not a JSON object")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{where}: corrupted safetensors header (invalid JSON: {exc}): {_WHAT_TO_DO}") from None
-    data_len = size - 8 - n
-    entries, spans = [], []
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = meta["dtype"], [int(d) for d in meta["shape"]], meta["data_offsets"]
-            begin, end = int(begin), int(end)
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{where}: corrupted safetensors header (entry {name!r} lacks a valid dtype, "
-                                  f"shape or data_offsets): {_WHAT_TO_DO}") from None
-        if dtype not in _ITEMSIZE:
-            raise CheckpointError(f"{where}: tensor {name!r} has unknown dtype {dtype!r}: {_WHAT_TO_DO}")
-        if any(d < 0 for d in shape) or not 0 <= begin <= end:
-            raise CheckpointError(f"{where}: tensor {name!r} has a negative shape or offsets: {_WHAT_TO_DO}")
-        if end > data_len:
-            raise CheckpointError(f"{where}: tensor {name!r} ends at byte {end} of a {data_len}-byte data section; "
-                                  f"the file is truncated: {_WHAT_TO_DO}")
-        if end - begin != math.prod(shape) * _ITEMSIZE[dtype]:
-            raise CheckpointError(f"{where}: tensor {name!r} has {end - begin} bytes for shape {shape} in {dtype}: "
-                                  f"corrupted header: {_WHAT_TO_DO}")
-        spans.append((begin, end, name))
-        entries.append(TensorEntry(name, dtype, tuple(shape), path.name))
-    spans.sort()
-    for (b0, e0, a), (b1, e1, b) in zip(spans, spans[1:]):
-        if b1 < e0:
-            raise CheckpointError(f"{where}: tensors {a!r} and {b!r} overlap in the file: corrupted header: "
-                                  f"{_WHAT_TO_DO}")
-    if spans and spans[-1][1] != data_len:
-        raise CheckpointError(f"{where}: the data section has {data_len} bytes but the tensors cover "
-                              f"{spans[-1][1]}; the file is truncated or has trailing garbage: {_WHAT_TO_DO}")
-    return entries
+    """Validate one safetensors file's header against its size (`checkpoint.safetensors_format.read_header`);
+    return its tensors."""
+    infos, _ = read_header(path)
+    return [TensorEntry(name, i.dtype, i.shape, path.name) for name, i in infos.items()]
 
 
 def check_pickle_tensors_only(path: Path) -> None:

@@ -9,8 +9,9 @@ given beside an object overrides that field. The command line spells them the sa
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass, field
+
+from .errors import UnsupportedConversionError
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,7 @@ class ConvertOptions:
     variant_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        opts = dict(self.variant_options or {})
-        if "pad" in opts:  # the old spelling: fold it into the field, keep the dict free of it
-            object.__setattr__(self, "pad", bool(opts.pop("pad")) or self.pad)
-        object.__setattr__(self, "variant_options", opts)
+        object.__setattr__(self, "variant_options", dict(self.variant_options or {}))
 
     @property
     def fold_affine(self) -> bool:
@@ -69,22 +67,62 @@ class ConvertOptions:
     def replace(self, **changes) -> "ConvertOptions":
         return dataclasses.replace(self, **changes)
 
+    def check(self) -> "ConvertOptions":
+        """Every rule on how the fields combine, each with one message (`UnsupportedConversionError`, exit 2 on
+        the command line); returns the options as a conversion runs them: with `rotate`, the final norms'
+        γ folded (`fold_final`) and the heads untied (`untie`), since γ must leave the stream before it is
+        rotated and a head that takes γ cannot stay the table. `normfold.convert`, `stream_convert`,
+        `train.prepare` / `train.export` and the command line all call it; the rules that depend on a
+        registry (which targets exist, which take `variant_options`) are the target registry's
+        (`normfold.convert`)."""
+        if "pad" in self.variant_options:
+            raise UnsupportedConversionError("pad is an option of its own (pad=True, --pad), not a variant option")
+        if self.rotate_online and self.rotate is None:
+            raise UnsupportedConversionError("--rotate-online needs --rotate hadamard|orthogonal")
+        if self.pad and self.to != "crmsnorm":
+            raise UnsupportedConversionError(f"--pad applies to --to crmsnorm only (--to {self.to} takes no options)")
+        if self.untie and self.to not in ("rmsnorm",):
+            raise UnsupportedConversionError(
+                "--untie applies to --to rmsnorm only (--to crmsnorm checkpoints load with normfold.load only and "
+                "keep the tie on the compressed table)")
+        if self.rotate is None:
+            return self
+        if self.to != "rmsnorm":
+            raise UnsupportedConversionError(f"--rotate works with --to rmsnorm (got --to {self.to}): the rotated "
+                                             "stream is the Pre-RMSNorm one")
+        if self.keep_affine:
+            raise UnsupportedConversionError("--rotate needs every norm's γ folded into its readers; it cannot be "
+                                             "combined with --keep-affine")
+        return self.replace(fold_final=True, untie=True)
+
+    def to_record(self) -> dict:
+        """The options as normfold.json records them (`options`), with the record's version."""
+        return {"version": OPTIONS_VERSION, **{f: getattr(self, f) for f in FIELDS if f != "variant_options"},
+                "variant_options": dict(self.variant_options)}
+
+    @classmethod
+    def from_record(cls, record: dict) -> "ConvertOptions":
+        """The options a normfold.json `options` record holds (`to_record`'s inverse; the schema is checked by
+        `normfold.report` when the report is read)."""
+        version = record.get("version")
+        if version != OPTIONS_VERSION:
+            raise UnsupportedConversionError(f"normfold.json: options record version {version!r}; this normfold reads "
+                                             f"version {OPTIONS_VERSION}")
+        return cls(**{k: v for k, v in record.items() if k != "version"})
+
 
 FIELDS = tuple(f.name for f in dataclasses.fields(ConvertOptions))
+# the version of the `options` record in normfold.json (`ConvertOptions.to_record`)
+OPTIONS_VERSION = 1
 
 
 def resolve(options: ConvertOptions | None, caller: str, **keywords) -> ConvertOptions:
-    """`options` (or the defaults) with every keyword that is not None laid over it. A `pad` key inside
-    `variant_options` is the old spelling: it still works, with a DeprecationWarning."""
+    """`options` (or the defaults) with every keyword that is not None laid over it."""
     if options is not None and not isinstance(options, ConvertOptions):
         raise TypeError(f"{caller}: options must be a normfold.ConvertOptions, not {type(options).__name__}")
     unknown = set(keywords) - set(FIELDS)
     if unknown:
         raise TypeError(f"{caller}: unknown option(s) {', '.join(sorted(unknown))}; fields: {', '.join(FIELDS)}")
-    vo = keywords.get("variant_options")
-    if vo and "pad" in vo:
-        warnings.warn(f"{caller}(variant_options={{'pad': ...}}) is deprecated; use pad=... "
-                      "(or ConvertOptions(pad=...))", DeprecationWarning, stacklevel=3)
     base = options or ConvertOptions()
     given = {k: v for k, v in keywords.items() if v is not None}
     if "variant_options" in given:

@@ -105,6 +105,8 @@ class ConversionReport:
     size: dict = field(default_factory=dict)  # parameters and stream width, before / after
     # {file name: {"sha256": hex digest, "bytes": size}} of every weight file, recorded when written
     weight_files: dict = field(default_factory=dict)
+    # the ConvertOptions that made the conversion (`ConvertOptions.to_record`, versioned); None: not recorded
+    options: dict | None = None
 
     @property
     def converted(self) -> list[NormRecord]:
@@ -170,6 +172,7 @@ class ConversionReport:
             "size": self.size,
             "weight_files": self.weight_files,
             "reload": self.reload(),
+            **({"options": self.options} if self.options is not None else {}),
         }
 
     def to_json(self) -> str:
@@ -182,6 +185,8 @@ class ConversionReport:
         cannot read)."""
         version = check_version(d)
         check(d, ReportSpec, "normfold.json")
+        if d.get("options") is not None:
+            check(d["options"], OptionsSpec, "options")
         if version < 2 and "weight_files" in d:
             raise ReportSchemaError("normfold.json: field 'weight_files' is not part of report format 1")
         from .checkpoint import plain_name
@@ -205,6 +210,7 @@ class ConversionReport:
             notes=d.get("notes", []), source=d.get("source", {}),
             centered_outputs=d.get("centered_outputs", []), verification=d.get("verification"),
             seconds=d.get("seconds", {}), size=d.get("size", {}), weight_files=d.get("weight_files", {}),
+            options=d.get("options"),
         )
 
 
@@ -278,6 +284,23 @@ class WeightFileSpec:
 
 
 @dataclass
+class OptionsSpec:
+    """normfold.json's `options`: the fields of `ConvertOptions` and the record's version."""
+
+    version: int
+    to: str
+    keep_affine: Optional[bool] = None
+    fold_final: bool = False
+    allow_new_bias: bool = False
+    pad: bool = False
+    untie: bool = False
+    rotate: Optional[str] = None
+    rotate_seed: int = 0
+    rotate_online: bool = False
+    variant_options: dict = field(default_factory=dict)
+
+
+@dataclass
 class ReportSpec:
     """The top level of normfold.json."""
 
@@ -300,6 +323,7 @@ class ReportSpec:
     size: dict = field(default_factory=dict)
     weight_files: dict[str, WeightFileSpec] = field(default_factory=dict)
     reload: dict = field(default_factory=dict)  # informational (ConversionReport.reload()); recomputed, not read
+    options: Optional[dict] = None  # the ConvertOptions of the conversion (ConvertOptions.to_record): OptionsSpec
 
 
 MAX_INT = 2**53  # larger integers are not exact in JSON readers; no width, count or size gets near it

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from . import algebra
 from .adapters import ConversionPlan
 from .adapters.base import get
-from .convert import apply_rmsnorm, layernorm_names, register_rotator
+from .conversion import apply_rmsnorm, layernorm_names, register_rotator
 from .options import ConvertOptions
 from .errors import UnsupportedConversionError
 from .modelinfo import working_dtype

@@ -39,7 +39,7 @@ def test_row_chunked_centring_equals_whole_tensor(monkeypatch, dtype):
     whole-tensor algebra.center, whatever the chunk (a trailing single row joins the chunk before it)."""
     from normfold import algebra
 
-    convert_mod = __import__("sys").modules["normfold.convert"]
+    convert_mod = __import__("sys").modules["normfold.conversion"]
     torch.manual_seed(0)
     for rows in (1, 2, 7, 64):
         monkeypatch.setattr(convert_mod, "CENTER_CHUNK_BYTES", rows * 8 * 33)

@@ -66,7 +66,7 @@ def test_a_wrong_reverse_still_fails_the_float64_check(monkeypatch):
     row means are not given back to the table fails (the final norm's β makes Σz non-zero, so the
     row means matter). The conversion makes the older tied form (centred table, nn.TiedHead) that checkpoints
     written before the Recenter form carry."""
-    monkeypatch.setattr(importlib.import_module("normfold.convert"), "recentre_tied_tables",
+    monkeypatch.setattr(importlib.import_module("normfold.conversion"), "recentre_tied_tables",
                         lambda model, plan, options: plan)
     conv, report = normfold.convert(perturb_norms(_gpt2(50.0)), to="rmsnorm", verify=False)
     assert report.structure.tied_heads

@@ -34,7 +34,7 @@ from normfold import checkpoint_guard  # noqa: E402
 from normfold.cli import main  # noqa: E402
 from normfold.errors import NormfoldError  # noqa: E402
 from normfold.stream.blockverify import CheckpointReader  # noqa: E402
-from normfold.stream.convert import open_source  # noqa: E402
+from normfold.stream.executor import open_source  # noqa: E402
 
 SHORT = int(os.environ.get("NORMFOLD_FUZZ_EXAMPLES", "60"))
 LONG = int(os.environ.get("NORMFOLD_FUZZ_LONG", "0"))

@@ -82,7 +82,7 @@ def test_convert_compares_exact_final_outputs(family, head, example, norm, param
     dtype) and pass; the converted model's final norm γ/β changed after the conversion fails verification."""
     import sys
 
-    conv_mod = sys.modules["normfold.convert"]  # the module (normfold.convert is the function)
+    conv_mod = sys.modules["normfold.conversion"]
 
     ex = next(e for e in get_adapter(family).examples if e.name == example)
     torch.manual_seed(0)

@@ -195,7 +195,7 @@ def test_large_sources_are_verified_block_by_block(ckpt, tmp_path, capsys, monke
 def test_blockwise_verification_catches_a_wrong_streamed_tensor(ckpt, tmp_path, capsys, monkeypatch):
     """A streamed conversion that wrote one wrong tensor is refused and nothing is written."""
     from normfold.cli import convert_stream as stream_cli
-    from normfold.stream import convert as stream_convert_mod
+    from normfold.stream import executor as stream_convert_mod
 
     real = stream_convert_mod.stream_convert
 

@@ -158,7 +158,7 @@ def test_non_finite_weight_named(tmp_path):
 
 
 def test_row_chunks_never_leave_a_single_row():
-    from normfold.stream.convert import row_chunks
+    from normfold.stream.executor import row_chunks
 
     for n in range(1, 40):
         for rows in (1, 2, 3, 7):
@@ -246,3 +246,24 @@ def test_streamed_tied_families_keep_the_original_table_like_in_memory(tmp_path,
         got, want = loaded(**inputs), conv(**inputs)
     key = "logits" if getattr(want, "logits", None) is not None else "last_hidden_state"
     assert torch.equal(getattr(got, key), getattr(want, key))
+
+
+def test_a_table_retied_to_the_centred_one_is_streamed_centred(tmp_path):
+    """mBART's `shared` table, handed to encoder and decoder, is tied to lm_head; with --fold-final the head becomes
+    an nn.TiedHead and every embedding alias shares the centred table again (conversion.keep_ties). The streamed
+    output writes `shared` as that centred table (stream.plan.tied_aliases), not the source's bytes: the same
+    files as in memory, and normfold.load computes the original logits."""
+    import transformers
+
+    example = get_adapter("mbart").examples[0]
+    src = make_checkpoint(example, "MBartForConditionalGeneration", tmp_path / "src")
+    conv, _ = _in_memory(src, tmp_path / "mem", fold_final=True)
+    _streamed(src, tmp_path / "st", fold_final=True)
+    assert tensors_bytes(tmp_path / "mem") == tensors_bytes(tmp_path / "st")
+    ids = torch.randint(3, example.kwargs["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(0))
+    original = transformers.AutoModelForSeq2SeqLM.from_pretrained(src).eval()
+    loaded = normfold.load(tmp_path / "st").eval()
+    with torch.no_grad():
+        want = original(input_ids=ids, decoder_input_ids=ids).logits
+        got = loaded(input_ids=ids, decoder_input_ids=ids).logits
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()

@@ -17,7 +17,7 @@ from normfold.adapters import get_adapter
 from normfold.adapters.base import get
 from normfold.compress.reverse import source_variant
 from normfold.stream import stream_convert
-from normfold.stream.convert import prepare
+from normfold.stream.executor import prepare
 from normfold.stream.source import StreamUnsupportedError
 
 from _compare import header_and_data, make_checkpoint, tensors_bytes, weight_files
@@ -96,7 +96,7 @@ def test_streamed_reverse_restores_the_stock_tie(tmp_path, monkeypatch, old_form
     src = _source(tmp_path, "gpt2", "GPT2LMHeadModel")
     with monkeypatch.context() as m:
         if old_form:
-            m.setattr(importlib.import_module("normfold.convert"), "recentre_tied_tables",
+            m.setattr(importlib.import_module("normfold.conversion"), "recentre_tied_tables",
                       lambda model, plan, options: plan)
         rms = _forward(tmp_path, src, False)
     structure = normfold.io.read_report(rms).structure
@@ -409,7 +409,7 @@ def test_nan_in_a_table_the_way_back_computes_is_refused(tmp_path, scale):
 
     with pytest.MonkeyPatch.context() as m:
         if not scale:  # the older form: a head kept tied to the centred table, nn.TiedHead without γ
-            m.setattr(importlib.import_module("normfold.convert"), "recentre_tied_tables",
+            m.setattr(importlib.import_module("normfold.conversion"), "recentre_tied_tables",
                       lambda model, plan, options: plan)
             src = _source(tmp_path, "gpt2", "GPT2LMHeadModel")
             rms = _forward(tmp_path, src, False)

@@ -67,7 +67,7 @@ def test_row_blocks_equal_in_memory(tmp_path, monkeypatch, family, head):
 
     monkeypatch.setattr(stream_rotation, "BLOCK_ABOVE", 0)
     monkeypatch.setattr(algebra_rotation, "ROW_BLOCK_BYTES", 1000)
-    monkeypatch.setattr(importlib.import_module("normfold.convert"), "CENTER_CHUNK_BYTES", 1000)
+    monkeypatch.setattr(importlib.import_module("normfold.conversion"), "CENTER_CHUNK_BYTES", 1000)
     blocked = []
     real = stream_rotation.RotatingComputer._by_blocks
 
@@ -185,7 +185,7 @@ def test_rotate_online_row_blocks_equal_in_memory(tmp_path, monkeypatch):
 
     monkeypatch.setattr(stream_rotation, "BLOCK_ABOVE", 0)
     monkeypatch.setattr(algebra_rotation, "ROW_BLOCK_BYTES", 1000)
-    monkeypatch.setattr(importlib.import_module("normfold.convert"), "CENTER_CHUNK_BYTES", 1000)
+    monkeypatch.setattr(importlib.import_module("normfold.conversion"), "CENTER_CHUNK_BYTES", 1000)
     _, mem_report, report = _both(tmp_path, "gpt2", "GPT2LMHeadModel", "hadamard", example="untied-inv-idx",
                                   online=True)
     _assert_same(tmp_path, mem_report, report)

@@ -150,9 +150,9 @@ def test_crmsnorm_tables_compacted_in_place_and_results_in_slabs_equal_in_memory
     monkeypatch.setattr(st.Slabs, "__init__", lambda self, budget, largest=None: init(self, budget, largest=2048))
     monkeypatch.setattr(stream_compute, "CHUNK_BYTES", 1024)
     monkeypatch.setattr(stream_compute.Computer, "_drop_last_in_place", counted)
-    # GPT-2's tie now keeps the original table (compress.convert.TIE_ENTRY); without the entry the table is
+    # GPT-2's tie now keeps the original table (compress.crmsnorm.TIE_ENTRY); without the entry the table is
     # compressed (TiedCompressedHead), the path these chunks exercise, as in every other family
-    monkeypatch.setattr(importlib.import_module("normfold.compress.convert"), "TIE_ENTRY", {})
+    monkeypatch.setattr(importlib.import_module("normfold.compress.crmsnorm"), "TIE_ENTRY", {})
     _both(tmp_path, "gpt2", "GPT2LMHeadModel", **kw)
     _assert_same_files(tmp_path / "mem", tmp_path / "st")
     if not kw.get("pad"):

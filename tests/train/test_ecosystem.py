@@ -60,7 +60,7 @@ def test_save_pretrained_and_from_pretrained(tmp_path):
 
 @pytest.mark.parametrize("to", ["rmsnorm", "crmsnorm"])
 def test_export_is_a_normfold_convert_checkpoint(tmp_path, to):
-    from normfold.convert import VARIANTS
+    from normfold.conversion import VARIANTS
 
     if to not in VARIANTS:
         pytest.skip(f"normfold.convert(to={to!r}) is not in this normfold yet (issue 10); export passes `to` through")
@@ -83,7 +83,7 @@ def test_export_is_a_normfold_convert_checkpoint(tmp_path, to):
 
 
 def test_export_crmsnorm_refused_clearly_without_convert_support(tmp_path):
-    from normfold.convert import VARIANTS
+    from normfold.conversion import VARIANTS
 
     if "crmsnorm" in VARIANTS:
         pytest.skip("normfold.convert supports crmsnorm here")

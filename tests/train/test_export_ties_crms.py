@@ -1,7 +1,7 @@
 """normfold.train.export to Pre-CRMSNorm keeps a tied table the trained tensor itself (issue 24 item 1, the
 training path): the Whisper decoder's table stays one tensor shared with the stock proj_out, holding exactly
 the trained θ (the restored LayerNorm model's table), and the exported model computes the trained model's
-logits in float64. The same `normfold.convert` decides it (compress.convert.TIE_ENTRY), so this checks that the
+logits in float64. The same `normfold.convert` decides it (compress.crmsnorm.TIE_ENTRY), so this checks that the
 training path reaches it with trained (not freshly built) weights."""
 
 from __future__ import annotations

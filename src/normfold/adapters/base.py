@@ -86,6 +86,10 @@ class ConversionPlan:
     # Model outputs (fnmatch patterns over verify's flattened names) that carry a residual stream
     # and are therefore returned recentred, beyond the default '*hidden_states[i]'.
     centered_outputs: list[str] = field(default_factory=list)
+    # The tensor source that answers the conversion's value questions (is this β all zero, is this tied head
+    # unchanged: `convert.TensorValues`); None: the model's own tensors. `normfold.stream` sets one that
+    # answers from the checkpoint for a model on the meta device.
+    values: object | None = None
 
 
 @dataclass(frozen=True)

@@ -207,7 +207,7 @@ def to_rmsnorm(ln_model: nn.Module, fold_final: bool = False) -> nn.Module:
     gives users): block norms' affines folded into their readers, the final norm keeps γ/β. With
     fold_final=True the final norm is folded into the head too, which gives a bias-free head a new
     bias: an extra pass over the logits (measured 4% slower end-to-end for GPT-3 Small in bf16)."""
-    from ..convert import convert
+    from ..conversion import convert
 
     model, _ = convert(ln_model, to="rmsnorm", adapter=adapter_for(ln_model), verify=False,
                        fold_final=fold_final, allow_new_bias=fold_final)

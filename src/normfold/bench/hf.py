@@ -118,7 +118,7 @@ def no_norm_copy(model: nn.Module) -> nn.Module:
 
 def converted(model: nn.Module, to: str, workdir: str, **load_kwargs) -> nn.Module:
     """`model` through the public API: normfold.convert → normfold.save → normfold.load."""
-    from ..convert import convert
+    from ..conversion import convert
     from ..io import load, save
 
     conv, report = convert(model, to=to, verify=False)

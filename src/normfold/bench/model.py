@@ -140,7 +140,7 @@ CRMS_COLUMNS = ["crms_ms", "crms_pad_ms", "crms/original", "crms/converted", "cr
 
 def run(model_path=None, out_dir="benchmarks", dtypes=("float32", "bfloat16"), shapes=((1, 128), (8, 256)),
         rounds: int = 15, progress: bool = True, name: str | None = None, to: str = "rmsnorm"):
-    from .. import convert
+    from ..conversion import convert
     from ..io import load_source
 
     from .. import ops

@@ -125,7 +125,7 @@ def _session(path, threads: int = THREADS):
 
 def _files(name, model, inputs, tmp: Path, progress) -> dict[str, Path]:
     from .. import compress  # noqa: F401  (registers --to crmsnorm)
-    from ..convert import convert
+    from ..conversion import convert
     from ..io import load, save
 
     files = {}

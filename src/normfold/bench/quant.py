@@ -174,7 +174,7 @@ def outlier_gpt2(vocab: int = 2048, seed: int = 0) -> nn.Module:
 
 
 def forms(model: nn.Module, say) -> tuple[dict[str, nn.Module], dict[str, list[str]]]:
-    from ..convert import convert
+    from ..conversion import convert
     from ..rotate import mlp_down_projections  # importing normfold.rotate registers convert(rotate=...)
 
     out = {"original": model}

@@ -16,13 +16,8 @@ from pathlib import Path
 import torch
 
 from .digest import HashingSink
+from .safetensors_format import ST_DTYPES, TORCH_DTYPES, numel
 
-TORCH_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-ST_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}
 # safetensors' Rust `Dtype` declaration order; files list tensors by descending rank, then by name.
 _RANK = {name: i for i, name in enumerate(
     ["BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16", "F16",
@@ -38,20 +33,13 @@ def layout(entries: dict[str, tuple[str, tuple[int, ...]]], metadata: dict[str, 
     placed, offset = [], 0
     for name in order:
         dtype, shape = entries[name]
-        n = _numel(shape) * torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
+        n = numel(shape) * torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
         placed.append((name, offset, n))
         offset += n
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * ((8 - len(text) % 8) % 8)
     return struct.pack("<Q", len(text)) + text, placed
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def write_all(fd, data, offset: int) -> None:

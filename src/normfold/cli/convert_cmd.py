@@ -69,7 +69,7 @@ without --force (message on stderr, nothing written).
 
 
 def add_parser(sub) -> None:
-    from ..convert import VARIANTS
+    from ..conversion import VARIANTS
 
     p = sub.add_parser("convert", help=HELP, description=DESCRIPTION, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -195,19 +195,17 @@ def _run_in_memory(args) -> int:
     import torch
 
     from .. import io
-    from ..convert import convert
+    from ..conversion import convert
     from ..errors import NormfoldError, VerificationFailedError
+    from ..options import ConvertOptions
 
     if not args.dry_run and not args.out:
         raise NormfoldError("--out DIR is required (or --dry-run to convert and verify without writing)")
     if args.out and not args.dry_run:
         io.check_output_dir(args.out, args.force)  # fail before any work
     options = parse_options(args.option)
-    if args.pad and args.to != "crmsnorm":
-        raise NormfoldError("--pad applies to --to crmsnorm only")
-    if getattr(args, "untie", False) and args.to != "rmsnorm":
-        raise NormfoldError("--untie applies to --to rmsnorm only (--to crmsnorm checkpoints load with normfold.load "
-                            "only and keep the tie on the compressed table)")
+    # every rule on how the options combine, before any work (ConvertOptions.check, as convert() runs it again)
+    ConvertOptions(to=args.to, pad=bool(args.pad), untie=bool(getattr(args, "untie", False))).check()
     steps = Steps(total=3 if args.dry_run else 4, quiet=args.quiet)
 
     steps.start("load", f"loading {args.model or 'the bundled default model (kjv-gpt2)'}")

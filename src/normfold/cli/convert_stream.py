@@ -22,7 +22,7 @@ from pathlib import Path
 from .. import checkpoint_guard as guard
 from .. import io
 from ..errors import NormfoldError, OutputExistsError, VerificationFailedError
-from ..stream.convert import (STREAMED_TARGETS, StreamUnsupportedError, open_source, prepare,
+from ..stream.executor import (STREAMED_TARGETS, StreamUnsupportedError, open_source, prepare,
                               stream_convert, weight_files)
 from ..stream.reverse import REVERSE_TARGETS, prepare_reverse, stream_reverse
 
@@ -82,7 +82,7 @@ def _prepare(args, source_dir: Path):
 def maybe_stream(args, summarize=None) -> int | None:
     """Run the streamed conversion when --stream says so; None = use the in-memory path.
 
-    auto streams whenever `blockers` finds nothing and `normfold.stream.convert.prepare` accepts the source
+    auto streams whenever `blockers` finds nothing and `normfold.stream.executor.prepare` accepts the source
     (any size); otherwise the in-memory path runs and reports whatever is wrong with MODEL itself."""
     mode = getattr(args, "stream", "never") or "never"
     if mode == "never":
@@ -237,7 +237,7 @@ def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float 
     import torch
 
     from ..adapters import find_adapter
-    from ..convert import ROTATOR, VARIANTS, centered_outputs, rotating_variant
+    from ..conversion import ROTATOR, VARIANTS, centered_outputs, rotating_variant
     from ..options import ConvertOptions
     from ..report import ConversionReport
     from ..verify import FinalNorms, verify_conversion
@@ -305,7 +305,7 @@ def verify_reverse(source_dir: Path, out_dir: Path, report, *, fp64_tol: float =
 
     from ..adapters import find_adapter
     from ..compress.reverse import decompress, input_rounding, to_layernorm
-    from ..convert import centered_outputs
+    from ..conversion import centered_outputs
     from ..verify import verify_conversion
 
     src_report, *_, source = prepare_reverse(source_dir, report.variant)

@@ -1,6 +1,6 @@
 """Pre-CRMSNorm for real checkpoints (paper 001 §3.2–3.4.2, Appendix C).
 
-- `to="crmsnorm"`: Pre-LN → Pre-RMSNorm → Pre-CRMSNorm on the (d−1)-wide stream (`convert.py`),
+- `to="crmsnorm"`: Pre-LN → Pre-RMSNorm → Pre-CRMSNorm on the (d−1)-wide stream (`crmsnorm.py`),
   `variant_options={"pad": True}` for the zero-padded d-wide form;
 - the runtime that lets transformers' own modules run the narrower stream (`runtime.py`);
 - the reverse conversions: Pre-CRMSNorm → Pre-RMSNorm and Pre-RMSNorm → Pre-LN (`reverse.py`).
@@ -8,9 +8,9 @@
 
 from __future__ import annotations
 
-from ..convert import ConvertedHandler, Variant, register_converted_handler, register_variant
+from ..conversion import ConvertedHandler, Variant, register_converted_handler, register_variant
 from ..io import register_structure_part
-from .convert import apply_crmsnorm, compress, keep_ties_compressed
+from .crmsnorm import apply_crmsnorm, compress, keep_ties_compressed
 from .reverse import convert_converted, decompress, source_variant, to_layernorm
 from .runtime import StreamCRMSNorm, TiedCompressedHead, apply_compression, decompress_last
 

@@ -131,7 +131,7 @@ def untie_heads(model: nn.Module, structure: Structure) -> None:
     per-token constant that every reader of the Pre-LN stream (a LayerNorm) ignores, so logits and
     normalized outputs are unchanged and the raw hidden states change by a per-token constant only.
     Otherwise the head becomes an untied nn.Linear holding (E' + μ1ᵀ)·diag γ."""
-    from ..convert import disable_weight_tying
+    from ..conversion import disable_weight_tying
 
     heads = [(n, m) for n, m in model.named_modules() if isinstance(m, TiedHead)]
     untied = False
@@ -279,7 +279,7 @@ def _steps(src: str, to: str, pad: bool) -> list[str]:
 
 
 def _run(model: nn.Module, steps: list[str], options: dict) -> tuple[nn.Module, ConversionReport | None]:
-    from ..convert import convert
+    from ..conversion import convert
 
     report = None
     for step in steps:
@@ -293,11 +293,37 @@ def _run(model: nn.Module, steps: list[str], options: dict) -> tuple[nn.Module, 
     return model, report
 
 
+def reverse_report(to: str, adapter: str, model: nn.Module, layernorms_total: int, done: Structure,
+                   added_bias: list[str], src_report: ConversionReport | None) -> ConversionReport:
+    """The report of a reverse conversion whose steps left `model` with the structure `done` (in memory:
+    `convert_converted`; streamed: `stream.reverse`). `added_bias`: the biases the forward conversion added."""
+    report = ConversionReport(variant=to, adapter=adapter, architecture=type(model).__name__,
+                              dtype=str(working_dtype(model)).replace("torch.", ""),
+                              layernorms_total=layernorms_total, structure=copy.deepcopy(done))
+    if to == "layernorm":
+        # the biases the forward conversion added stay (normfold.load creates them: their output loads
+        # with it only, stock_reloadable False)
+        report.structure = Structure(untied=list(done.untied), added_bias=list(done.added_bias))
+        report.stock_reloadable = not added_bias
+    else:
+        # its Recenters are for normfold's RMSNorms only, as in conversion.apply_rmsnorm (stock LN re-centres)
+        report.stock_reloadable = not (done.added_bias or done.tied_heads)
+    report.centered_outputs = list(src_report.centered_outputs) if src_report is not None else []
+    return report
+
+
+def note_reverse(report: ConversionReport, src: str, steps: list[str], src_report: ConversionReport | None) -> None:
+    """The note and the source a reverse conversion's report carries over from the forward one."""
+    report.notes.append(f"reverse conversion (paper 001 App. C) from a {src} model: {' -> '.join(steps)}")
+    if src_report is not None and src_report.source:
+        report.source = dict(src_report.source)
+
+
 def convert_converted(model: nn.Module, to: str, *, inplace: bool = False, verify: bool = True,
                       inputs: dict | None = None, fp64_tol: float = 1e-9, progress=None,
                       variant_options: dict | None = None) -> tuple[nn.Module, ConversionReport]:
     """`normfold.convert(model, to)` for a model that already carries normfold norms."""
-    from ..convert import centered_outputs
+    from ..conversion import centered_outputs
     from ..verify import verify_conversion
 
     say = progress or (lambda msg: None)
@@ -320,23 +346,10 @@ def convert_converted(model: nn.Module, to: str, *, inplace: bool = False, verif
         report = fwd_report
     else:
         structure = getattr(target, "normfold_report", src_report).structure if src_report is not None else Structure()
-        report = ConversionReport(variant=to, adapter=adapter.name, architecture=type(target).__name__,
-                                  dtype=str(working_dtype(target)).replace("torch.", ""),
-                                  layernorms_total=sum(isinstance(m, (nn.LayerNorm, RMSNorm, StreamCRMSNorm))
-                                                       for m in model.modules()),
-                                  structure=copy.deepcopy(structure))
-        if to == "layernorm":
-            # the biases the forward conversion added stay (normfold.load creates them: their output loads
-            # with it only, stock_reloadable False)
-            report.structure = Structure(untied=list(structure.untied), added_bias=list(structure.added_bias))
-            report.stock_reloadable = not structure.added_bias
-        else:
-            # its Recenters are for normfold's RMSNorms only, as in convert.apply_rmsnorm (stock LN re-centres)
-            report.stock_reloadable = not (structure.added_bias or structure.tied_heads)
-        report.centered_outputs = list(src_report.centered_outputs) if src_report is not None else []
-    report.notes.append(f"reverse conversion (paper 001 App. C) from a {src} model: {' -> '.join(steps)}")
-    if src_report is not None and src_report.source:
-        report.source = dict(src_report.source)
+        report = reverse_report(to, adapter.name, target, sum(isinstance(m, (nn.LayerNorm, RMSNorm, StreamCRMSNorm))
+                                                              for m in model.modules()),
+                                structure, structure.added_bias, src_report)
+    note_reverse(report, src, steps, src_report)
     target.normfold_report = report
     report.size = size_report(before, target)
     report.seconds["convert"] = round(time.perf_counter() - t0, 3)

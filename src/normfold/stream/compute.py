@@ -11,8 +11,9 @@ from torch import nn
 
 from ..adapters.base import get, parent_and_leaf
 from ..algebra import layout_of, reused_buffers
-from ..compress.convert import compressed_value, tied_head_mean
-from ..convert import center_writer_at, fold_scales, swap_norm, tied_head_shift, will_fold
+from ..algebra.rows import CENTER_CHUNK_BYTES, center_rows_in_place, row_chunks  # noqa: F401 (re-exported)
+from ..compress.crmsnorm import compressed_value, tied_head_mean
+from ..conversion import center_writer_at, fold_scales, swap_norm, tied_head_shift, will_fold
 from ..errors import NonFiniteWeightsError
 from ..nn import TiedHead
 from ..options import ConvertOptions
@@ -21,9 +22,9 @@ from .plan import Component, Edit
 from .source import Source
 
 # A writer whose output axis is its last (embeddings, Conv1D) is centred in row chunks of about this many
-# float64 bytes: the same result (rows are independent), float64 temporaries stay small and in cache
-# (~5x faster than whole-tensor passes on a 2-core machine).
-CHUNK_BYTES = 4 * 1024 * 1024
+# float64 bytes (algebra.CENTER_CHUNK_BYTES, the in-memory conversion's too): the same result (rows are
+# independent), float64 temporaries stay small and in cache (~5x faster than whole-tensor passes on a 2-core machine).
+CHUNK_BYTES = CENTER_CHUNK_BYTES
 SLAB_BYTES = 192 * 1024 * 1024
 
 
@@ -43,6 +44,7 @@ class Computer:
         # (Pre-CRMSNorm: the d−1 results take slabs too, about as many bytes again)
         self.slabs = st.Slabs(budget=SLAB_BYTES * (1 if compression is None else 2))
         self.scratch: dict = {}  # fold_affine's float64 copy and rounded result, reused (algebra.reused_buffers)
+        self.aliases: dict[str, str] = {}  # output name -> the computed parameter it is tied to (plan.tied_aliases)
 
     def derived(self, name: str) -> torch.Tensor:
         """An output computed from source tensors outside any edit (a tied compressed head's row means, in row
@@ -144,7 +146,7 @@ class Computer:
             with reused_buffers(self.scratch):
                 for batch in batches(comp.edits):
                     self._apply(batch)
-            out = {k: get(self.model, k).detach() for k in keys}
+            out = {k: get(self.model, self.aliases.get(k, k)).detach() for k in keys}
             if self.compression is not None:
                 # float64 temporaries reused; each new (d−1) result in a recycled read buffer (free again once
                 # the writer has dropped it), not fresh memory
@@ -217,46 +219,6 @@ def _by_rows(t: torch.Tensor, fn, dtype: torch.dtype) -> torch.Tensor:
     for a, b in row_chunks(flat.shape[0], CHUNK_BYTES // 8 // max(1, flat.shape[1])):
         out[a:b] = fn(flat[a:b], a, b)
     return out.reshape(t.shape[:-1])
-
-
-
-def row_chunks(n: int, rows: int) -> list[tuple[int, int]]:
-    """[a, b) row ranges of about `rows` rows, none of exactly one row unless n == 1: torch reduces a single
-    row (one output) by splitting it across threads, in another summation order than row by row."""
-    rows = max(2, rows)
-    bounds = [(a, min(a + rows, n)) for a in range(0, n, rows)]
-    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
-        bounds[-2:] = [(bounds[-2][0], n)]
-    return bounds
-
-
-
-def center_rows_in_place(flat: torch.Tensor, rows: int, scratch: dict | None = None) -> None:
-    """Each row of the 2-D `flat` minus its mean, in place, in chunks of about `rows` rows through one reused
-    float64 buffer: the values of `algebra.center(flat, -1)` (the same float64 copy, mean, subtraction and one
-    rounding, `copy_` casting as `.to` does; each row's mean is its own), without a fresh float64 tensor, its
-    centred copy and a rounded copy per chunk (three allocations and two more passes). `scratch`: where the
-    buffer is kept from call to call."""
-    if flat.dtype == torch.float64 or not flat.is_floating_point() or not flat.is_contiguous():
-        for a, b in row_chunks(flat.shape[0], rows):
-            flat[a:b] = center_writer_rows(flat[a:b])
-        return
-    bounds = row_chunks(flat.shape[0], rows)
-    need = max(b - a for a, b in bounds) * flat.shape[1]
-    scratch = {} if scratch is None else scratch
-    buf = scratch.get("center64")
-    if buf is None or buf.numel() < need:
-        buf = scratch["center64"] = torch.empty(need, dtype=torch.float64)
-    for a, b in bounds:
-        t64 = buf[:(b - a) * flat.shape[1]].view(b - a, flat.shape[1]).copy_(flat[a:b])
-        t64.sub_(t64.mean(dim=-1, keepdim=True))
-        flat[a:b].copy_(t64)
-
-
-def center_writer_rows(rows: torch.Tensor) -> torch.Tensor:
-    from ..algebra import center_writer as cw
-
-    return cw(rows, None, -1)[0]
 
 
 

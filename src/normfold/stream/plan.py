@@ -4,8 +4,6 @@ the output tensors (names, dtypes, shapes) and which component and file each one
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 from dataclasses import dataclass, field
 
 import torch
@@ -13,9 +11,7 @@ from torch import nn
 
 from .. import io
 from ..adapters.base import get
-from ..algebra import layout_of
-from ..compress import convert as compress_convert
-from ..convert import will_fold
+from ..conversion import TensorValues, fold_decision, will_fold
 from ..modelinfo import working_dtype
 from ..options import ConvertOptions
 from ..report import ConversionReport
@@ -122,88 +118,54 @@ def components(edits: list[Edit]) -> list[Component]:
 
 
 
-@contextlib.contextmanager
-def beta_zero_from(table: dict[int, bool]):
-    """swap_norm asks `_is_zero(β)`, the one value-dependent choice of the plan; on meta tensors answer it
-    from the checkpoint (read beforehand), elsewhere as usual."""
-    _convert = importlib.import_module("normfold.convert")  # the module (the package attribute is the function)
-    original = _convert._is_zero
+class CheckpointValues(TensorValues):
+    """The plan's value questions for a model on the meta device, answered from the checkpoint (read before the
+    structure pass: `checkpoint_values`); a tensor with values is asked as usual."""
 
-    def is_zero(t):
+    def __init__(self, betas_zero: dict[str, bool], heads: dict[str, bool]) -> None:
+        self.betas_zero = betas_zero  # {norm bias name: all zero}
+        self.heads = heads  # {head weight name: still the original tied table}
+
+    def is_zero(self, name: str, t: torch.Tensor | None) -> bool:
         if t is not None and t.is_meta:
-            return table[id(t)]
-        return original(t)
+            return self.betas_zero[name]
+        return super().is_zero(name, t)
 
-    _convert._is_zero = is_zero
-    try:
-        yield
-    finally:
-        _convert._is_zero = original
-
-
-
-def norm_betas(model: nn.Module, plan, names: dict[str, str], source: Source) -> dict[int, bool]:
-    table = {}
-    for stream in plan.streams:
-        for site in stream.norms:
-            bias = getattr(get(model, site.path), "bias", None)
-            if bias is not None:
-                t = st.read_tensor(source.tensors[names[f"{site.path}.bias"]])
-                table[id(bias)] = not bool(t.ne(0).any())
-    return table
-
-
-
-@contextlib.contextmanager
-def heads_unchanged_from(table: dict[str, bool]):
-    """compress.retie_heads asks whether a head still holds its original tied table; on meta tensors answer
-    it from the checkpoint (read beforehand, `heads_unchanged`), elsewhere as usual."""
-    original = compress_convert.head_unchanged
-
-    def unchanged(name, weight, before):
+    def head_unchanged(self, name: str, weight: torch.Tensor, original: torch.Tensor) -> bool:
         if weight.is_meta:
-            return table.get(name, True)
-        return original(name, weight, before)
-
-    compress_convert.head_unchanged = unchanged
-    try:
-        yield
-    finally:
-        compress_convert.head_unchanged = original
+            return self.heads.get(name, True)
+        return super().head_unchanged(name, weight, original)
 
 
-
-def heads_unchanged(model: nn.Module, plan, names: dict[str, str], source: Source, options) -> dict[str, bool]:
-    """{head weight name: unchanged} for the readers of final norms: swap_norm changes a reader's weight only
-    when it folds γ into it (same decision as swap_norm's, with β read from the checkpoint), and then bit for
-    bit only if γ is not all ones."""
-    from ..algebra import is_conv_reader, is_linear_reader
+def checkpoint_values(model: nn.Module, plan, names: dict[str, str], source: Source,
+                      options: ConvertOptions) -> CheckpointValues:
+    """The answers the structure pass needs, read from the checkpoint: every norm's β all zero or not, and for the
+    readers of final norms whether swap_norm leaves their weight as it is (it changes a reader's weight only when it
+    folds γ into it, by `convert.fold_decision` with β read from the checkpoint, and then bit for bit only if γ is
+    not all ones)."""
 
     def read(path):
         return st.read_tensor(source.tensors[names[path]])
 
-    table = {}
+    betas = {}
+    for stream in plan.streams:
+        for site in stream.norms:
+            if getattr(get(model, site.path), "bias", None) is not None:
+                betas[f"{site.path}.bias"] = not bool(read(f"{site.path}.bias").ne(0).any())
+    heads = {}
     for stream in plan.streams:
         for site in stream.norms:
             if not site.final or not site.readers:
                 continue
             norm = get(model, site.path)
             readers = [get(model, r) for r in site.readers]
-            fold = will_fold(site, options) and all(is_linear_reader(r) or is_conv_reader(r) for r in readers)
-            has_beta = getattr(norm, "bias", None) is not None and bool(read(f"{site.path}.bias").ne(0).any())
-            fold_beta = fold and has_beta and (options.allow_new_bias or all(
-                _reader_has_bias(r) or p in site.beta_cancels for p, r in zip(site.readers, readers)))
-            fold_gamma = fold and norm.weight is not None and (not has_beta or fold_beta)
+            has_beta = not betas.get(f"{site.path}.bias", True)
+            fold_gamma, _ = fold_decision(site, readers, will_fold(site, options), norm.weight is not None, has_beta,
+                                          options)
             changed = fold_gamma and not bool(read(f"{site.path}.weight").eq(1).all())
             for r in site.readers:
-                table[f"{r}.weight"] = not changed
-    return table
-
-
-
-def _reader_has_bias(reader: nn.Module) -> bool:
-    lay = layout_of(reader)
-    return bool(lay.bias) and getattr(reader, lay.bias, None) is not None
+                heads[f"{r}.weight"] = not changed
+    return CheckpointValues(betas, heads)
 
 
 
@@ -260,26 +222,65 @@ def owners(comps: list[Component], outputs: list[OutTensor]) -> dict[str, int]:
 
 
 
-def assign_files(source: Source, report, outputs, owner, comps, names) -> dict[str, list[OutTensor]]:
-    """Output file -> tensors. Stock-reloadable sharded sources keep their sharding (each edit's outputs go
-    with its first input's shard, so no edit spans two output files); otherwise one file."""
-    weights = io.STOCK_WEIGHTS if report.stock_reloadable else io.NORMFOLD_WEIGHTS
-    if not (source.sharded and report.stock_reloadable):
+def tied_aliases(model: nn.Module, outputs: list[OutTensor], owner: dict[str, int],
+                 comps: list[Component]) -> dict[str, tuple[str, int]]:
+    """{output name: (the computed parameter it shares one tensor with in the converted (structure) model, its
+    component)} for outputs no edit owns: a table the conversion re-ties to a centred one (BART's `shared`,
+    handed to encoder and decoder, is the centred table again after `conversion.keep_ties`) takes that table's
+    value, not the source's bytes."""
+    where: dict[str, int] = {}
+    for i, c in enumerate(comps):
+        for m in c.modules + c.params:
+            where.setdefault(m, i)
+    state = model.state_dict(keep_vars=True)
+    computed: dict[int, list[tuple[str, int]]] = {}
+    for name, t in state.items():
+        i = where.get(name, where.get(name.rpartition(".")[0]))
+        if i is not None:
+            computed.setdefault(id(t), []).append((name, i))
+    out = {}
+    for o in outputs:
+        if o.fill is not None or o.name in owner or o.name not in state:
+            continue
+        others = [c for c in computed.get(id(state[o.name]), []) if c[0] != o.name]
+        if others:
+            out[o.name] = others[0]
+    return out
+
+
+def shard_files(source: Source, stock_reloadable: bool, outputs: list[OutTensor],
+                shard_of) -> dict[str, list[OutTensor]]:
+    """Output file -> tensors, for every streamed conversion (forward and reverse): one file, or, for a sharded
+    stock-reloadable source, the source's sharding: `shard_of(output)` says which source shard an output goes
+    with; the shards that get outputs are renumbered model-0000j-of-0000n."""
+    weights = io.STOCK_WEIGHTS if stock_reloadable else io.NORMFOLD_WEIGHTS
+    if not (source.sharded and stock_reloadable):
         return {weights: list(outputs)}
+    by_shard: dict[int, list[OutTensor]] = {}
+    for o in outputs:
+        by_shard.setdefault(shard_of(o), []).append(o)
+    n = len(by_shard)
+    return {f"model-{j + 1:05d}-of-{n:05d}.safetensors": by_shard[k] for j, k in enumerate(sorted(by_shard))}
+
+
+def assign_files(source: Source, report, outputs, owner, comps, names) -> dict[str, list[OutTensor]]:
+    """`shard_files` for a forward conversion: each edit's outputs go with its first input's shard (so no edit
+    spans two output files), a copied tensor with its source, a fill beside its norm's other tensors (else the
+    first shard)."""
+    if not (source.sharded and report.stock_reloadable):
+        return shard_files(source, report.stock_reloadable, outputs, None)
     index = {p: i for i, p in enumerate(source.shards)}
     comp_shard = [min((index[source.tensors[names[p]].file] for p in c.params if p in names), default=0)
                   for c in comps]
-    by_shard: dict[int, list[OutTensor]] = {}
-    for o in outputs:
+
+    def shard_of(o: OutTensor) -> int:
         if o.name in owner:
-            k = comp_shard[owner[o.name]]
-        elif o.name in names:
-            k = index[source.tensors[names[o.name]].file]
-        else:  # a fill: beside the norm's other tensors if any, else the first shard
-            k = next((comp_shard[i] for i, c in enumerate(comps) if o.name.rpartition(".")[0] in c.modules), 0)
-        by_shard.setdefault(k, []).append(o)
-    n = len(by_shard)
-    return {f"model-{j + 1:05d}-of-{n:05d}.safetensors": by_shard[k] for j, k in enumerate(sorted(by_shard))}
+            return comp_shard[owner[o.name]]
+        if o.name in names:
+            return index[source.tensors[names[o.name]].file]
+        return next((comp_shard[i] for i, c in enumerate(comps) if o.name.rpartition(".")[0] in c.modules), 0)
+
+    return shard_files(source, report.stock_reloadable, outputs, shard_of)
 
 
 PENDING = "verification: pending block verifier"

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ..checkpoint.safetensors_format import TORCH_DTYPES, read_header
 from ..errors import CheckpointError, NormfoldError
 
 
@@ -37,22 +38,21 @@ class CheckpointReader:
             for index in indexes:
                 for name, file in read_weight_map(model_dir, index).items():
                     self.files.setdefault(name, self.dir / file)
-        else:
-            from safetensors import safe_open
-
+        self._headers: dict[Path, dict] = {}
+        if not indexes:
             for n in model_dir.entries():
                 if n.endswith(".safetensors") and not n.startswith("."):
                     f = model_dir.file(n)
-                    with _checkpoint_errors(f), safe_open(str(f), "pt") as h:
-                        for name in h.keys():
-                            self.files.setdefault(name, f)
+                    with _checkpoint_errors(f):
+                        self._headers[f] = read_header(f)[0]
+                    for name in self._headers[f]:
+                        self.files.setdefault(name, f)
         if not self.files:
             pickles = [p.name for p in self.dir.glob("*.bin")]
             extra = f" (it has {', '.join(pickles)}: re-save it as safetensors)" if pickles else ""
             raise CheckpointError(f"{self.dir} has no safetensors weights{extra}; block-wise verification "
                                   "reads safetensors only")
         self._handles: dict[Path, object] | None = None
-        self._headers: dict[Path, dict] = {}
         self._stage: Tensor | None = None
         self.direct = direct
 
@@ -85,8 +85,6 @@ class CheckpointReader:
 
     def _info(self, name: str):
         """The tensor's header entry (file offsets), read once per file with plain reads."""
-        from .safetensors_io import read_header
-
         f = self.files[name]
         if f not in self._headers:
             with _checkpoint_errors(f):
@@ -108,9 +106,9 @@ class CheckpointReader:
     def info(self, name: str) -> tuple[tuple, torch.dtype]:
         """(shape, dtype) of a stored tensor, from the header."""
         entry = self._info(name)
-        if entry.dtype not in _SAFETENSORS_DTYPES:
+        if entry.dtype not in TORCH_DTYPES:
             raise CheckpointError(f"{entry.file}: tensor {name!r} has dtype {entry.dtype}, which normfold does not read")
-        return tuple(entry.shape), _SAFETENSORS_DTYPES[entry.dtype]
+        return tuple(entry.shape), TORCH_DTYPES[entry.dtype]
 
     def _staging(self, nbytes: int) -> Tensor:
         """One reused byte buffer for reads that are cast (no fresh pages per chunk)."""
@@ -173,7 +171,7 @@ class CheckpointReader:
         for name in sorted(self.files):
             f = self._handle(self.files[name])
             with _checkpoint_errors(self.files[name]):
-                dt = _SAFETENSORS_DTYPES.get(self._info(name).dtype)
+                dt = TORCH_DTYPES.get(self._info(name).dtype)
             if dt is not None and dt.is_floating_point:
                 return dt
         return torch.float32
@@ -183,8 +181,6 @@ class CheckpointReader:
 
 
 
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 

@@ -45,15 +45,14 @@ from torch import nn
 from .. import algebra, checkpoint, io
 from ..adapters import find_adapter
 from ..adapters.base import get
-from ..compress.reverse import decompress, restore_last, to_layernorm
+from ..compress.reverse import decompress, note_reverse, restore_last, reverse_report, to_layernorm
 from ..compress.runtime import StreamCRMSNorm, TiedCompressedHead
 from ..errors import NonFiniteWeightsError, NormfoldError
-from ..modelinfo import working_dtype
 from ..nn import RMSNorm, TiedHead
-from ..report import ConversionReport, Structure
+from ..report import ConversionReport
 from . import safetensors_io as st
 from .compute import CHUNK_BYTES, row_chunks
-from .plan import OutTensor, output_tensors
+from .plan import OutTensor, output_tensors, shard_files
 from .source import Source, StreamUnsupportedError, checkpoint_dtype
 from .writer import write_streamed
 
@@ -261,22 +260,11 @@ def stream_reverse(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             to_layernorm(ln)
     done = ln.normfold_report.structure  # as the in-memory steps left it (untie_heads adds to `untied`)
 
-    # the report, as compress.reverse.convert_converted writes it
-    report = ConversionReport(variant=to, adapter=adapter.name, architecture=type(ln).__name__,
-                              dtype=str(working_dtype(ln)).replace("torch.", ""),
-                              layernorms_total=layernorms_total, structure=copy.deepcopy(done))
-    if to == "layernorm":
-        report.structure = Structure(untied=list(done.untied), added_bias=list(done.added_bias))
-        report.stock_reloadable = not structure.added_bias
-    else:  # its Recenters are for normfold's RMSNorms only (stock LN re-centres)
-        report.stock_reloadable = not (done.added_bias or done.tied_heads)
-    report.centered_outputs = list(src_report.centered_outputs)
+    # the report compress.reverse.convert_converted writes
+    report = reverse_report(to, adapter.name, ln, layernorms_total, done, structure.added_bias, src_report)
     report.size = size_report(before, ln)
-    report.notes.append(f"reverse conversion (paper 001 App. C) from a {src_report.variant} model: "
-                        f"{' -> '.join(steps)}")
+    note_reverse(report, src_report.variant, steps, src_report)
     report.notes.append("converted shard by shard from the safetensors files (normfold.stream)")
-    if src_report.source:
-        report.source = dict(src_report.source)
 
     lnstate = ln.state_dict(keep_vars=True)
     if to == "layernorm":
@@ -335,11 +323,10 @@ def stream_reverse(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
 
 
 def _assign_files(source: Source, report, outputs, names, tables) -> dict[str, list[OutTensor]]:
-    """One file, or (a sharded stock-reloadable source) the source's sharding: each tensor beside the tensor it
-    comes from, a fill beside its module's other tensors (else the first shard)."""
-    weights = io.STOCK_WEIGHTS if report.stock_reloadable else io.NORMFOLD_WEIGHTS
+    """`plan.shard_files` for a reverse conversion: each tensor beside the tensor it comes from, a fill beside its
+    module's other tensors (else the first shard)."""
     if not (source.sharded and report.stock_reloadable):
-        return {weights: list(outputs)}
+        return shard_files(source, report.stock_reloadable, outputs, None)
     index = {p: i for i, p in enumerate(source.shards)}
 
     def shard(name: str) -> int | None:
@@ -351,11 +338,9 @@ def _assign_files(source: Source, report, outputs, names, tables) -> dict[str, l
         k = shard(o.name)
         if k is not None:
             by_module.setdefault(o.name.rpartition(".")[0], k)
-    by_shard: dict[int, list[OutTensor]] = {}
-    for o in outputs:
+
+    def shard_of(o: OutTensor) -> int:
         k = shard(o.name)
-        if k is None:
-            k = by_module.get(o.name.rpartition(".")[0], 0)
-        by_shard.setdefault(k, []).append(o)
-    n = len(by_shard)
-    return {f"model-{j + 1:05d}-of-{n:05d}.safetensors": by_shard[k] for j, k in enumerate(sorted(by_shard))}
+        return by_module.get(o.name.rpartition(".")[0], 0) if k is None else k
+
+    return shard_files(source, report.stock_reloadable, outputs, shard_of)

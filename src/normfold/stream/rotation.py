@@ -37,7 +37,7 @@ from torch import nn
 from ..adapters.base import get, parent_and_leaf
 from ..algebra import rotate_axis
 from ..algebra.rotation import row_blocks
-from ..convert import VARIANTS, center_writer_at, rotating_variant
+from ..conversion import VARIANTS, center_writer_at, rotating_variant
 from ..errors import NormfoldError, UnsupportedConversionError
 from ..ops.hadamard import hadamard_matrix
 from .compute import Computer, batches

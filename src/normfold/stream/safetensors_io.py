@@ -14,20 +14,17 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
-import struct
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..errors import CheckpointError
 
-from ..checkpoint.writer import ST_DTYPES, TORCH_DTYPES, layout, write_all  # noqa: F401 (re-exported)
-_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+from ..checkpoint.safetensors_format import ST_DTYPES, TORCH_DTYPES, TensorInfo, read_header  # noqa: F401
+from ..checkpoint.writer import layout, write_all  # noqa: F401 (re-exported: the one safetensors layer)
 CHUNK = 8 * 1024 * 1024
 
 
@@ -113,48 +110,6 @@ def trim_if_over() -> None:
     (always, outside it)."""
     if _LIBC is not None and (_reusing == 0 or _limit is None or resident_bytes() > _limit):
         _LIBC.malloc_trim(0)
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    file: Path
-    dtype: str
-    shape: tuple[int, ...]
-    start: int  # absolute offset in the file
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
-
-
-def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict]:
-    """{name: TensorInfo} and the __metadata__ of one safetensors file, its header validated first by
-    `checkpoint_guard.read_safetensors_header` (sizes, offsets, overlaps, dtypes: one set of checks)."""
-    from ..checkpoint_guard import read_safetensors_header
-
-    read_safetensors_header(Path(path))
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise CheckpointError(f"{path} is not a safetensors file (shorter than its 8-byte header length)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > min(_MAX_HEADER, size - 8):
-            raise CheckpointError(f"{path}: header length {n} exceeds the file; the file is truncated or corrupt")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as exc:
-            raise CheckpointError(f"{path}: unreadable safetensors header ({exc})") from exc
-    base = 8 + n
-    meta = header.pop("__metadata__", None) or {}
-    out = {}
-    for name, h in header.items():
-        a, b = h["data_offsets"]
-        if base + b > size:
-            raise CheckpointError(f"{path}: tensor {name} ends past the end of the file (truncated download?)")
-        out[name] = TensorInfo(path, h["dtype"], tuple(h["shape"]), base + a, base + b)
-    return out, meta
 
 
 class Slabs:
@@ -295,13 +250,6 @@ def _read_direct(path: Path, start: int, out: torch.Tensor) -> bool:
         return True
     finally:
         os.close(fd)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def all_finite(t: torch.Tensor) -> bool:

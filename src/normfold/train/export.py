@@ -31,7 +31,7 @@ def export(model: nn.Module, out: str | os.PathLike, *, to: str | None = None, o
     need a normfold with `convert(to="crmsnorm")`).
     """
     from .. import compress  # noqa: F401  (registers --to crmsnorm)
-    from ..convert import VARIANTS, convert
+    from ..conversion import VARIANTS, convert
     from ..io import save
 
     st = state(model)

@@ -27,7 +27,6 @@ the LayerNorm model, up to floating-point rounding.
 
 from __future__ import annotations
 
-import warnings
 
 from torch import Tensor, nn
 
@@ -72,7 +71,7 @@ def _linear_reader_bias(reader: nn.Module) -> Tensor | None:
 
 
 def prepare(model: nn.Module, to: str | None = None, *, options: ConvertOptions | None = None,
-            keep_affine: bool | None = None, fold: bool | None = None, fold_final: bool | None = None,
+            keep_affine: bool | None = None, fold_final: bool | None = None,
             cache: bool = True, adapter: Adapter | None = None, inputs: dict | None = None,
             dropout: str = "exact", check: bool = True, fast: bool = True) -> nn.Module:
     """Make `model` (a Pre-LN model) compute as Pre-RMSNorm (`to="rmsnorm"`) or Pre-CRMSNorm
@@ -82,7 +81,7 @@ def prepare(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
 
     options / keywords: a `normfold.ConvertOptions` or its fields `to`, `keep_affine`, `fold_final`.
     keep_affine: keep each norm's γ/β in the norm (True) or fold them into its linear readers where
-        `normfold.convert` would (False). `fold=` is the deprecated spelling (fold = not keep_affine).
+        `normfold.convert` would (False).
         Default: keep for rmsnorm — in training φ is recomputed every step, and folding costs a pass over
         every reader's weight (and its VJP) while the affine inside the norm kernel is nearly free; fold
         for crmsnorm, whose compressed readers need the fold.
@@ -101,11 +100,6 @@ def prepare(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
         `normfold.fastpath` knows (forward and backward, the same fused blocks `normfold.load` uses);
         False keeps transformers' block code. `restore` undoes it.
     """
-    if fold is not None:  # the old spelling, with the opposite sense
-        warnings.warn("train.prepare(fold=...) is deprecated; use keep_affine=... (keep_affine = not fold)",
-                      DeprecationWarning, stacklevel=2)
-        if keep_affine is None:
-            keep_affine = not fold
     options = resolve_options(options, "train.prepare", to=to, keep_affine=keep_affine, fold_final=fold_final)
     to, fold_final = options.to, options.fold_final
     if options.pad or options.allow_new_bias or options.variant_options or options.rotate or options.rotate_online:
@@ -113,6 +107,7 @@ def prepare(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
                                          "rotate and variant options have no training form")
     if to not in TARGETS:
         raise UnsupportedConversionError(f"prepare(to={to!r}): choose one of {', '.join(TARGETS)}")
+    options = options.check()  # the rules every conversion follows (ConvertOptions.check)
     # the training default keeps γ/β in the norm for rmsnorm and folds them for crmsnorm (docs/python-api.md)
     fold = (to == "crmsnorm") if options.keep_affine is None else not options.keep_affine
     if is_prepared(model):

@@ -292,7 +292,7 @@ def _store(module: nn.Module, lay, weight: nn.Parameter, bias, new_w: Tensor, ne
 
 def apply_decisions(model: nn.Module, decisions: list[Decision]) -> tuple[list[str], list[str]]:
     """Fold / freeze every offline norm as decided (in place). Returns (untied params, grown biases)."""
-    from ..convert import untie
+    from ..conversion import untie
 
     edited = [p for d in decisions if d.action != "keep" for path in d.into
               for p in _weight_and_bias(model.get_submodule(path))[1:] if p is not None]

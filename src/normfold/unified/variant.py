@@ -17,7 +17,7 @@ from typing import Callable
 from torch import nn
 
 from ..adapters.base import parent_and_leaf
-from ..convert import Variant, register_variant
+from ..conversion import Variant, register_variant
 from ..options import ConvertOptions
 from ..errors import UnsupportedConversionError
 from ..nn.offline import METHODS, OfflineNorm, UnifiedNorm

@@ -20,11 +20,12 @@ import torch
 from torch import nn
 
 from . import algebra
+from .algebra.rows import CENTER_CHUNK_BYTES, center_rows_in_place  # the streamed conversion's row chunks too
 from .adapters import Adapter, ConversionPlan, NormSite
 from .adapters.base import get, parent_and_leaf
 from .errors import NonFiniteWeightsError, UnsupportedConversionError
 from .options import ConvertOptions, resolve as resolve_options
-from .modelinfo import working_dtype  # noqa: F401  (re-exported: normfold.convert.working_dtype)
+from .modelinfo import working_dtype  # noqa: F401  (re-exported: normfold.conversion.working_dtype)
 from .nn import RMSNorm
 from .nn.hooks import add_input_recenter, add_output_recenter
 from .report import TIE_NOTE, ConversionReport, NormRecord, Structure
@@ -49,6 +50,17 @@ class Variant:
     # keep_ties also for tables tied to each other with no head reading them (BartModel's `shared` handed to
     # the encoder and the decoder): a variant whose untied tables would not be re-tied otherwise (crmsnorm).
     keep_shared_tables: bool = False
+    # What verification compares where the target changes the basis of a stream (rotation):
+    # output_map(report, plan) -> a (name, tensor) -> tensor map back to the original basis, or None;
+    # final_norms(report, options) -> the final norms whose outputs are found by value (verify.FinalNorms), or None.
+    output_map: Callable[[ConversionReport, ConversionPlan], Callable | None] | None = None
+    final_norms: Callable[[ConversionReport, ConvertOptions], FinalNorms | None] | None = None
+
+    def verified_final_norms(self, report: ConversionReport, options: ConvertOptions) -> FinalNorms | None:
+        """The final norms verification finds by value: the variant's own answer, else (--fold-final) the folded ones."""
+        if self.final_norms is not None:
+            return self.final_norms(report, options)
+        return FinalNorms.folded(report.structure) if options.fold_final else None
 
 
 VARIANTS: dict[str, Variant] = {}
@@ -96,12 +108,7 @@ def register_rotator(apply: Callable[..., None], output_map: Callable[..., Calla
 
 
 def rotating_variant(variant: Variant, rotate: str, seed: int, keep_affine: bool, online: bool) -> Variant:
-    if variant.name != "rmsnorm":
-        raise UnsupportedConversionError(f"--rotate works with --to rmsnorm (got --to {variant.name}): the "
-                                         "rotated stream is the Pre-RMSNorm one")
-    if keep_affine:
-        raise UnsupportedConversionError("--rotate needs every norm's γ folded into its readers; it cannot be "
-                                         "combined with --keep-affine")
+    """`variant` (rmsnorm: `ConvertOptions.check` refuses the others) with its stream rotated afterwards."""
     if "rotator" not in ROTATOR:  # pragma: no cover - normfold/__init__ imports normfold.rotate
         raise UnsupportedConversionError("rotation is not available (import normfold.rotate)")
     rot = ROTATOR["rotator"]
@@ -109,7 +116,25 @@ def rotating_variant(variant: Variant, rotate: str, seed: int, keep_affine: bool
     def apply(model, plan, options, report):
         rot.apply(model, plan, options, report, rotate, seed, online=online)
 
-    return Variant(variant.name, f"{variant.description}; residual stream rotated ({rotate}, seed {seed})", apply)
+    # a final norm's output is skipped where its γ/β went into the heads (rotated basis, lacking them) and
+    # compared where a head-less final norm kept them (un-rotated by its x·Qᵀ hook): verify.FinalNorms
+    return Variant(variant.name, f"{variant.description}; residual stream rotated ({rotate}, seed {seed})", apply,
+                   output_map=lambda report, plan: rot.output_map(report.structure.rotation, centered_outputs(plan)),
+                   final_norms=lambda report, options: FinalNorms.of(report.structure))
+
+
+def variant_for(options: ConvertOptions) -> Variant:
+    """The registered target `options` asks for (`options` checked: `ConvertOptions.check`), rotated if asked."""
+    variant = VARIANTS[options.to]
+    if options.rotate is not None:
+        variant = rotating_variant(variant, options.rotate, options.rotate_seed, options.keep_affine,
+                                   options.rotate_online)
+    variant_options = options.target_options()
+    if variant_options and not variant.takes_options:
+        raise UnsupportedConversionError(
+            f"--to {options.to} takes no options (got {', '.join(sorted(variant_options))}); "
+            f"options exist for: {', '.join(n for n, v in VARIANTS.items() if v.takes_options) or 'none'}")
+    return variant
 
 
 # ---- checks -----------------------------------------------------------------------------------
@@ -227,7 +252,6 @@ def center_writer_at(model: nn.Module, path: str) -> int:
     return 1 + (bias is not None)
 
 
-CENTER_CHUNK_BYTES = 4 * 1024 * 1024
 
 
 def _center_rows_in_place(weight: torch.Tensor, out_dim: int) -> bool:
@@ -239,23 +263,9 @@ def _center_rows_in_place(weight: torch.Tensor, out_dim: int) -> bool:
             or weight.device.type == "meta":
         return False
     flat = weight.data.view(-1, weight.shape[-1])
-    n, rows = flat.shape[0], max(2, CENTER_CHUNK_BYTES // 8 // max(1, flat.shape[1]))
-    bounds = [(a, min(a + rows, n)) for a in range(0, n, rows)]
-    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
-        bounds[-2:] = [(bounds[-2][0], n)]
     with torch.no_grad():
-        for a, b in bounds:
-            flat[a:b] = algebra.center(flat[a:b], -1)
+        center_rows_in_place(flat, CENTER_CHUNK_BYTES // 8 // max(1, flat.shape[1]))
     return True
-
-
-def center_writer(model: nn.Module, path: str) -> int:
-    """Deprecated name of `center_writer_at` (`normfold.algebra.center_writer` works on tensors)."""
-    import warnings
-
-    warnings.warn("normfold.convert.center_writer(model, path) is deprecated; use center_writer_at",
-                  DeprecationWarning, stacklevel=2)
-    return center_writer_at(model, path)
 
 
 def fold_scales(model: nn.Module, pairs: list[tuple[str, str]]) -> int:
@@ -289,8 +299,28 @@ def fold_scales(model: nn.Module, pairs: list[tuple[str, str]]) -> int:
     return edited
 
 
-def _is_zero(t: torch.Tensor | None) -> bool:
-    return t is None or not bool(t.detach().ne(0).any())
+class TensorValues:
+    """The value questions a conversion plan asks of the model's tensors, answered from the tensors themselves
+    (a model in memory). The plan's decisions depend on values in two places only: whether a norm's β is all
+    zero (then there is no β to fold or keep) and whether a tied head still holds its original table (the
+    crmsnorm target re-ties it). A model without values (on the meta device: `normfold.stream`) carries a
+    tensor source that answers from the checkpoint instead (`ConversionPlan.values`)."""
+
+    def is_zero(self, name: str, t: torch.Tensor | None) -> bool:
+        """Is the parameter `name` (holding `t`; None: absent) all zero?"""
+        return t is None or not bool(t.detach().ne(0).any())
+
+    def head_unchanged(self, name: str, weight: torch.Tensor, original: torch.Tensor) -> bool:
+        """Does the head weight `name` still hold the original tied table `original`?"""
+        return torch.equal(weight, original)
+
+
+IN_MEMORY = TensorValues()
+
+
+def values_of(plan: ConversionPlan) -> TensorValues:
+    """The tensor source that answers `plan`'s value questions (the tensors themselves unless the plan names one)."""
+    return getattr(plan, "values", None) or IN_MEMORY
 
 
 def _reader_bias(reader: nn.Module) -> torch.Tensor | None:
@@ -298,9 +328,26 @@ def _reader_bias(reader: nn.Module) -> torch.Tensor | None:
     return getattr(reader, lay.bias, None) if lay.bias else None
 
 
+def fold_decision(site: NormSite, readers: list[nn.Module], fold: bool, has_gamma: bool, has_beta: bool,
+                  options: ConvertOptions) -> tuple[bool, bool]:
+    """(fold γ, fold β) of the norm at `site` read by the modules `readers`: `fold` (`will_fold`) and every reader
+    a linear or conv reader; β only where every reader has a bias to take it (or its β term cancels, or
+    `allow_new_bias`); γ alone only when no β stays behind (the norm would then have to output n + β/γ). The one
+    rule both the conversion (`swap_norm`) and the streamed plan (which needs it before any value is read) use."""
+    fold = fold and bool(readers) and all(algebra.is_linear_reader(r) or algebra.is_conv_reader(r) for r in readers)
+    cancels = set(site.beta_cancels)  # bias-less readers whose β term cancels (keys before softmax)
+    fold_beta = fold and has_beta and (
+        options.allow_new_bias or all(_reader_bias(r) is not None or p in cancels
+                                      for p, r in zip(site.readers, readers)))
+    fold_gamma = fold and has_gamma and (not has_beta or fold_beta)
+    return fold_gamma, fold_beta
+
+
 def swap_norm(model: nn.Module, site: NormSite, fold: bool, options: ConvertOptions,
-              norm_cls: type[nn.Module] = RMSNorm) -> tuple[NormRecord, int, list[str]]:
-    """Replace the LayerNorm at `site` by `norm_cls`, folding its affine into the readers if `fold`.
+              norm_cls: type[nn.Module] = RMSNorm,
+              values: TensorValues = IN_MEMORY) -> tuple[NormRecord, int, list[str]]:
+    """Replace the LayerNorm at `site` by `norm_cls`, folding its affine into the readers if `fold`
+    (`fold_decision`); `values` says whether β is all zero (`TensorValues`).
 
     Returns (record, tensors edited, modules that grew a bias)."""
     ln = get(model, site.path)
@@ -311,16 +358,11 @@ def swap_norm(model: nn.Module, site: NormSite, fold: bool, options: ConvertOpti
         raise UnsupportedConversionError(f"{site.path} normalizes over {tuple(ln.normalized_shape)}; "
                                          "only last-dimension norms can be converted")
     gamma = ln.weight
-    beta = None if _is_zero(getattr(ln, "bias", None)) else ln.bias
+    beta = None if values.is_zero(f"{site.path}.bias", getattr(ln, "bias", None)) else ln.bias
     readers = [get(model, r) for r in site.readers]
     edited, grown = 0, []
-    fold = fold and bool(readers) and all(algebra.is_linear_reader(r) or algebra.is_conv_reader(r) for r in readers)
-    cancels = set(site.beta_cancels)  # bias-less readers whose β term cancels (keys before softmax)
-    fold_beta = fold and beta is not None and (
-        options.allow_new_bias or all(_reader_bias(r) is not None or p in cancels
-                                      for p, r in zip(site.readers, readers)))
-    # γ alone may be folded only when no β stays behind: the norm would then have to output n + β/γ.
-    fold_gamma = fold and gamma is not None and (beta is None or fold_beta)
+    cancels = set(site.beta_cancels)
+    fold_gamma, fold_beta = fold_decision(site, readers, fold, gamma is not None, beta is not None, options)
     if fold_gamma or fold_beta:
         for path, reader in zip(site.readers, readers):
             lay = algebra.layout_of(reader)
@@ -390,7 +432,7 @@ def apply_rmsnorm(model: nn.Module, plan: ConversionPlan, options: ConvertOption
             edited += center_writer_at(model, path)
             report.centered.append(path)
         for site in stream.norms:
-            record, n, grown = swap_norm(model, site, will_fold(site, options), options)
+            record, n, grown = swap_norm(model, site, will_fold(site, options), options, values=values_of(plan))
             structure.norms.append(record)
             structure.added_bias += grown
             edited += n
@@ -694,6 +736,24 @@ def kept_norms(model: nn.Module, plan: ConversionPlan, converted: set[str]) -> l
     return kept
 
 
+def new_report(model: nn.Module, adapter: Adapter, plan: ConversionPlan, options: ConvertOptions) -> ConversionReport:
+    """The report a conversion of `model` by `plan` starts from (both executors: `convert`, `stream_convert`)."""
+    return ConversionReport(variant=options.to, adapter=adapter.name, architecture=type(model).__name__,
+                            dtype=str(working_dtype(model)).replace("torch.", ""),
+                            layernorms_total=len(layernorm_names(model)),
+                            stock_reloadable=plan.stock_reloadable, notes=list(plan.notes),
+                            centered_outputs=list(centered_outputs(plan)), options=options.to_record())
+
+
+def finish_report(report: ConversionReport, original: nn.Module, converted: nn.Module, plan: ConversionPlan,
+                  before: dict) -> None:
+    """What a report says once the variant has run: sizes before / after and the LayerNorms kept (both executors)."""
+    from .sizes import size_report
+
+    report.size = size_report(before, converted)
+    report.kept = kept_norms(original, plan, {r.name for r in report.structure.norms})
+
+
 def not_verified(variant: Variant, dtype: str) -> dict:
     """The `verification` entry of a variant that changes the model's function on purpose."""
     return {"performed": False, "passed": None, "dtype": dtype, "max_abs_error": None, "max_rel_error": None,
@@ -746,50 +806,68 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
     place and re-converts it there instead of copying it (`verify.verify_conversion(consume_original=True)`):
     peak memory 3x a float32 model instead of 5x; `model` is left converted, in float64.
     """
-    options = resolve_options(options, "normfold.convert", to=to, keep_affine=keep_affine, fold_final=fold_final,
-                              allow_new_bias=allow_new_bias, pad=pad, variant_options=variant_options,
-                              untie=untie, rotate=rotate, rotate_seed=rotate_seed, rotate_online=rotate_online)
-    options = options.replace(keep_affine=bool(options.keep_affine))
-    rotate, rotate_seed, rotate_online = options.rotate, options.rotate_seed, options.rotate_online
-    to, fold_final = options.to, options.fold_final
-    variant_options = options.target_options()
-    say = progress or (lambda msg: None)
-    if to not in VARIANTS:
-        raise UnsupportedConversionError(f"unknown conversion target {to!r}; available: {', '.join(VARIANTS)}")
-    variant = VARIANTS[to]
-    if rotate_online and rotate is None:
-        raise UnsupportedConversionError("--rotate-online needs --rotate hadamard|orthogonal")
-    if rotate is not None:
-        variant = rotating_variant(variant, rotate, rotate_seed, options.keep_affine, rotate_online)
-        fold_final = True  # the final norms' γ must leave the stream before it is rotated
-        # a tied head cannot stay the table: the final norm's γ folds into the head (diag(γ) on the rotated
-        # basis), so rotation converts with the untied form (the report notes it)
-        options = options.replace(fold_final=True, untie=True)
-    if variant_options and not variant.takes_options:
-        raise UnsupportedConversionError(
-            f"--to {to} takes no options (got {', '.join(sorted(variant_options))}); "
-            f"options exist for: {', '.join(n for n, v in VARIANTS.items() if v.takes_options) or 'none'}")
-    from .sizes import measure, size_report
-
+    options = conversion_options(options, to=to, keep_affine=keep_affine, fold_final=fold_final,
+                                 allow_new_bias=allow_new_bias, pad=pad, variant_options=variant_options, untie=untie,
+                                 rotate=rotate, rotate_seed=rotate_seed, rotate_online=rotate_online)
+    variant = variant_for(options)
     handler = CONVERTED_HANDLER.get("handler")
-    if handler is not None and (to == "layernorm" or handler.source_variant(model) != "layernorm"):
-        # reverse conversions, paper 001 App. C
-        if rotate is not None:
-            raise UnsupportedConversionError("--rotate converts LayerNorm models; this model already carries "
-                                             "normfold norms (convert the original model with --rotate)")
-        rotation = getattr(getattr(getattr(model, "normfold_report", None), "structure", None), "rotation", None)
-        if rotation and (rotation.get("explicit") or rotation.get("online")):
-            raise UnsupportedConversionError(
-                "this checkpoint's stream is rotated with explicit / online rotation ops (normfold.json "
-                "structure.rotation), which the reverse conversions do not carry over; convert the original "
-                "LayerNorm model instead")
-        out = handler.convert(model, to, inplace=inplace, verify=verify, inputs=inputs, fp64_tol=fp64_tol,
-                              progress=progress, variant_options=variant_options)
-        from . import fastpath
-
-        fastpath.refresh(out[0], fast)  # the norms and shapes changed: fast paths where they still fit
-        return out
+    if handler is not None and (options.to == "layernorm" or handler.source_variant(model) != "layernorm"):
+        return convert_back(handler, model, options, inplace=inplace, verify=verify, inputs=inputs,
+                            fp64_tol=fp64_tol, progress=progress, fast=fast)
+    say = progress or (lambda msg: None)
     t0 = time.perf_counter()
+    adapter, plan, inputs = plan_conversion(model, options, adapter, auto=auto, inputs=inputs, say=say)
+    target, original, report = execute(model, adapter, plan, variant, options, inplace=inplace, keep=verify,
+                                       fast=fast, say=say)
+    report.seconds["convert"] = round(time.perf_counter() - t0, 3)
+    if not variant.exact:
+        report.verification = not_verified(variant, report.dtype)
+    elif verify:
+        t1 = time.perf_counter()
+        say("verifying (float64 and working dtype)")
+        report.verification = verify_step(original, target, adapter, plan, variant, options, report, inputs,
+                                          fp64_tol=fp64_tol, consume_original=discard_original and not inplace)
+        report.seconds["verify"] = round(time.perf_counter() - t1, 3)
+    return target, report
+
+
+# ---- the steps of convert() ------------------------------------------------------------------------------
+
+def conversion_options(options: ConvertOptions | None, **keywords) -> ConvertOptions:
+    """Step 1: the options object with the keywords laid over it, γ/β folded by default, every combination checked."""
+    options = resolve_options(options, "normfold.convert", **keywords)
+    options = options.replace(keep_affine=bool(options.keep_affine))
+    if options.to not in VARIANTS:
+        raise UnsupportedConversionError(f"unknown conversion target {options.to!r}; available: {', '.join(VARIANTS)}")
+    return options.check()  # every rule on combinations; with rotate: fold_final and untie set
+
+
+def convert_back(handler: ConvertedHandler, model: nn.Module, options: ConvertOptions, *, fast: bool,
+                 **kw) -> tuple[nn.Module, ConversionReport]:
+    """A model that already carries normfold norms (or `to="layernorm"`): the registered reverse conversions
+    (paper 001 App. C)."""
+    if options.rotate is not None:
+        raise UnsupportedConversionError("--rotate converts LayerNorm models; this model already carries "
+                                         "normfold norms (convert the original model with --rotate)")
+    rotation = getattr(getattr(getattr(model, "normfold_report", None), "structure", None), "rotation", None)
+    if rotation and (rotation.get("explicit") or rotation.get("online")):
+        raise UnsupportedConversionError(
+            "this checkpoint's stream is rotated with explicit / online rotation ops (normfold.json "
+            "structure.rotation), which the reverse conversions do not carry over; convert the original "
+            "LayerNorm model instead")
+    out = handler.convert(model, options.to, variant_options=options.target_options(), **kw)
+    from . import fastpath
+
+    fastpath.refresh(out[0], fast)  # the norms and shapes changed: fast paths where they still fit
+    out[1].options = options.to_record()
+    return out
+
+
+def plan_conversion(model: nn.Module, options: ConvertOptions, adapter: Adapter | None, *, auto: bool,
+                    inputs: dict | None, say: Progress) -> tuple[Adapter, ConversionPlan, dict | None]:
+    """Step 2: the family's adapter (or the analysis' plan for a model without one, or with `auto`), its checks,
+    and the plan with the tie the options keep (`recentre_tied_tables`). Returns (adapter, plan, inputs as
+    traced)."""
     if adapter is None:
         from .analysis.autoplan import resolve  # the analysis' plan when no adapter is registered (or auto=True)
 
@@ -799,18 +877,23 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
     if adapter.check is not None:
         adapter.check(model)
     check_finite(model)
-    plan = recentre_tied_tables(model, adapter.plan(model), options)
+    return adapter, recentre_tied_tables(model, adapter.plan(model), options), inputs
+
+
+def execute(model: nn.Module, adapter: Adapter, plan: ConversionPlan, variant: Variant, options: ConvertOptions, *,
+            inplace: bool, keep: bool, fast: bool, say: Progress) -> tuple[nn.Module, nn.Module, ConversionReport]:
+    """Step 3, the in-memory executor: the variant applies the plan to a copy of `model` (to `model` itself with
+    `inplace`; then a copy of the original is kept if `keep`) and the report is filled. Returns (converted,
+    original, report)."""
+    from .sizes import measure
+
     warn = _dropout_warning(model)
-    report = ConversionReport(variant=to, adapter=adapter.name, architecture=type(model).__name__,
-                              dtype=str(working_dtype(model)).replace("torch.", ""),
-                              layernorms_total=len(layernorm_names(model)),
-                              stock_reloadable=plan.stock_reloadable, notes=list(plan.notes),
-                              centered_outputs=list(centered_outputs(plan)))
+    report = new_report(model, adapter, plan, options)
     if warn:
         report.warnings.append(warn)
     original = model
     before = measure(model)
-    if inplace and verify:
+    if inplace and keep:
         original = copy.deepcopy(model)
     target = model if inplace else copy.deepcopy(model)
     say(f"rewriting weights ({adapter.display_name} adapter, {len(plan.streams)} stream(s))")
@@ -821,33 +904,26 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
 
         fastpath.apply(target)
     target.normfold_report = report  # what the reverse conversions (compress/reverse.py) read back
-    report.size = size_report(before, target)
-    report.kept = kept_norms(original, plan, {r.name for r in report.structure.norms})
-    report.seconds["convert"] = round(time.perf_counter() - t0, 3)
-    if not variant.exact:
-        report.verification = not_verified(variant, report.dtype)
-    elif verify:
+    finish_report(report, original, target, plan, before)
+    return target, original, report
 
-        t1 = time.perf_counter()
-        say("verifying (float64 and working dtype)")
-        if inputs is None:
-            inputs = adapter.example_inputs(original, torch.Generator().manual_seed(0))
 
-        def reconvert(m: nn.Module) -> nn.Module:
-            scratch = ConversionReport(variant=to, adapter=adapter.name, architecture="", dtype="", layernorms_total=0)
-            variant.apply(m, adapter.plan(m), options, scratch)
-            return m.eval()
+def verify_step(original: nn.Module, target: nn.Module, adapter: Adapter, plan: ConversionPlan, variant: Variant,
+                options: ConvertOptions, report: ConversionReport, inputs: dict | None, *, fp64_tol: float,
+                consume_original: bool) -> dict:
+    """Step 4: float64 exactness (the variant re-applied to a float64 copy) and working-dtype error against the
+    original (`verify.verify_conversion`), on `inputs` or the adapter's example inputs."""
+    if inputs is None:
+        inputs = adapter.example_inputs(original, torch.Generator().manual_seed(0))
 
-        # rotated: a final norm's output is skipped where its γ/β went into the heads (rotated basis, lacking them)
-        # and compared where a head-less final norm kept them (un-rotated by its x·Qᵀ hook): verify.FinalNorms
-        # --fold-final alone: the folded final norms' outputs are found by value the same way (FinalNorms.folded)
-        final_norms = (FinalNorms.of(report.structure) if rotate is not None
-                       else FinalNorms.folded(report.structure) if fold_final else None)
-        output_map = (ROTATOR["rotator"].output_map(report.structure.rotation, centered_outputs(plan))
-                      if rotate is not None else None)
-        report.verification = verify_conversion(
-            original, target, inputs, reconvert=reconvert if variant.exact else None, fp64_tol=fp64_tol,
-            centered=centered_outputs(plan), output_map=output_map, final_norms=final_norms,
-            consume_original=discard_original and not inplace).to_dict()
-        report.seconds["verify"] = round(time.perf_counter() - t1, 3)
-    return target, report
+    def reconvert(m: nn.Module) -> nn.Module:
+        scratch = ConversionReport(variant=options.to, adapter=adapter.name, architecture="", dtype="",
+                                   layernorms_total=0)
+        variant.apply(m, adapter.plan(m), options, scratch)
+        return m.eval()
+
+    output_map = variant.output_map(report, plan) if variant.output_map is not None else None
+    return verify_conversion(
+        original, target, inputs, reconvert=reconvert if variant.exact else None, fp64_tol=fp64_tol,
+        centered=centered_outputs(plan), output_map=output_map,
+        final_norms=variant.verified_final_norms(report, options), consume_original=consume_original).to_dict()

@@ -364,7 +364,7 @@ def compress(model: nn.Module, plan: ConversionPlan, report, pad: bool = False) 
 
 def apply_crmsnorm(model: nn.Module, plan: ConversionPlan, options, report) -> None:
     """The `crmsnorm` variant: Pre-LN → Pre-RMSNorm → Pre-CRMSNorm, in place."""
-    from ..convert import apply_rmsnorm
+    from ..conversion import apply_rmsnorm
 
     opts = options.target_options() if hasattr(options, "target_options") else dict(options.variant_options or {})
     unknown = sorted(set(opts) - set(OPTIONS))
@@ -382,7 +382,7 @@ def apply_crmsnorm(model: nn.Module, plan: ConversionPlan, options, report) -> N
     aliases = _aliases(model)
     # a tied table kept the original where the family allows (idempotent: convert and stream rewrote it already;
     # the float64 re-conversion of the verification passes the adapter's own plan)
-    from ..convert import recentre_tied_tables
+    from ..conversion import recentre_tied_tables
 
     rewritten = recentre_tied_tables(model, plan, options)
     if rewritten is not plan:
@@ -421,6 +421,9 @@ def retie_heads(model: nn.Module, plan: ConversionPlan, aliases: dict, compressi
     the vocab×d copy is replaced by the vocabulary's row means (vocab numbers)."""
     from .runtime import TiedCompressedHead
 
+    from ..conversion import values_of
+
+    values = values_of(plan)  # on a meta model (normfold.stream) the checkpoint answers
     pad = bool(compression.get("pad"))
     shaped = set(compression.get("shapes", {}))
     ties = []
@@ -439,7 +442,7 @@ def retie_heads(model: nn.Module, plan: ConversionPlan, aliases: dict, compressi
                 if not isinstance(head, nn.Linear) or name not in aliases or aliases[name][0] not in tables:
                     continue
                 original = aliases[name][1]
-                if not head_unchanged(name, head.weight.detach(), original):
+                if not values.head_unchanged(name, head.weight.detach(), original):
                     continue  # the final norm's affine was folded into it: a different matrix now
                 table = get(model, tables[aliases[name][0]])
                 mean = tied_head_mean(original)
@@ -448,12 +451,6 @@ def retie_heads(model: nn.Module, plan: ConversionPlan, aliases: dict, compressi
                 setattr(parent, leaf, new)
                 ties.append({"head": r, "table": tables[aliases[name][0]], "bias": head.bias is not None})
     return ties
-
-
-def head_unchanged(name: str, weight: torch.Tensor, original: torch.Tensor) -> bool:
-    """Does the head `name` still hold the original tied table? (On a meta model, which has no values, the
-    streamed conversion answers this from the checkpoint: `normfold.stream.convert`.)"""
-    return torch.equal(weight, original)
 
 
 def compressed_value(name: str, value: torch.Tensor, compression: dict) -> torch.Tensor:

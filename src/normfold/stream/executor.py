@@ -7,8 +7,9 @@ Two passes over one plan, both with the in-memory conversion's own code (normfol
 1. *Structure*, on a model built on the meta device: the registered adapter's plan and the variant's
    `apply` run on meta tensors (shapes only, no arithmetic). That yields the exact report (norm
    records, untied parameters, Recenter hooks, stock-reloadability) and the output tensor names,
-   dtypes and shapes, so every output header is known before any data is written. The only value
-   `apply` looks at, whether a norm's β is all zero, is read from the checkpoint beforehand.
+   dtypes and shapes, so every output header is known before any data is written. The values
+   `apply` asks about (is a norm's β all zero, is a tied head unchanged) are read from the checkpoint
+   beforehand and answered by the plan's tensor source (`plan.CheckpointValues`): nothing is patched.
 2. *Values*, on a second meta model: the edits are grouped into components (edits that share a
    parameter: a norm with its readers, a writer alone, ...). Each component's parameters are read
    from the checkpoint into real tensors, the same edit functions (`fold_scales`, `center_writer_at`,
@@ -19,7 +20,7 @@ Two passes over one plan, both with the in-memory conversion's own code (normfol
 Tensors no edit touches are copied file to file in bounded chunks (checked finite on the way).
 
 `--to crmsnorm` (and `pad`) streams too: the structure pass runs the crmsnorm variant on the meta model, and each
-computed Pre-RMSNorm tensor then goes through `compress.convert.compressed_value`, the compression's own
+computed Pre-RMSNorm tensor then goes through `compress.crmsnorm.compressed_value`, the compression's own
 per-tensor operations (same bytes as the in-memory conversion). Reading, computing and writing overlap (a reader
 and a writer thread, `writer.write_checkpoint`), and freed tensor memory is reused within a budget
 (`safetensors_io.reuse_freed_memory`). `prepare` does every check that needs no weights: the CLI's
@@ -37,6 +38,7 @@ computing), `safetensors_io` (bytes in and out); this module prepares and runs t
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -48,15 +50,14 @@ from torch import nn
 
 from .. import checkpoint
 from ..adapters import find_adapter
-from ..convert import VARIANTS, centered_outputs, edited_params, kept_norms, layernorm_names, recentre_tied_tables
-from ..convert import untie as untie_params
+from ..conversion import VARIANTS, edited_params, finish_report, new_report, recentre_tied_tables
+from ..conversion import untie as untie_params
 from ..errors import NormfoldError
-from ..modelinfo import working_dtype
 from ..options import ConvertOptions, resolve as resolve_options
 from ..report import ConversionReport
 from .compute import CHUNK_BYTES, Computer, row_chunks  # noqa: F401 (re-exported)
-from .plan import (PENDING, assign_files, beta_zero_from, components, heads_unchanged,  # noqa: F401
-                   heads_unchanged_from, norm_betas, output_tensors, owners, plan_edits)
+from .plan import (PENDING, assign_files, checkpoint_values, components, output_tensors,  # noqa: F401
+                   owners, plan_edits, tied_aliases)
 from .source import (INDEX, Source, StreamUnsupportedError, checkpoint_dtype, meta_model, open_source,  # noqa: F401
                      source_names, weight_files)
 from .writer import write_streamed
@@ -92,18 +93,10 @@ def _options(options, to, keep_affine, fold_final, allow_new_bias, pad, untie, r
         what = f"--to {options.to}" if options.to not in STREAMED_TARGETS else "--option"
         raise StreamUnsupportedError(f"streaming converts --to {' or '.join(STREAMED_TARGETS)} without --option; "
                                      f"{what} needs the in-memory conversion (--stream never, or normfold.convert)")
-    if options.pad and options.to != "crmsnorm":
-        raise StreamUnsupportedError("--pad applies to --to crmsnorm only")
-    if options.untie and options.to != "rmsnorm":
-        raise StreamUnsupportedError("--untie applies to --to rmsnorm only")
-    if options.rotate_online and options.rotate is None:
-        raise StreamUnsupportedError("--rotate-online needs --rotate hadamard|orthogonal")
-    if options.rotate is not None:
-        if options.to != "rmsnorm":
-            raise StreamUnsupportedError(f"--rotate works with --to rmsnorm (got --to {options.to})")
-        # as normfold.convert: the final norms' γ leaves the stream, heads are untied (stream.rotation)
-        options = options.replace(fold_final=True, untie=True)
-    return options
+    try:
+        return options.check()  # the rules every conversion follows (ConvertOptions.check), the same messages
+    except NormfoldError as exc:
+        raise StreamUnsupportedError(str(exc)) from exc
 
 
 
@@ -187,25 +180,20 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     say(f"{type(original).__name__}, {dtype}, {len(source.shards)} shard(s), adapter {adapter.display_name}")
 
     # pass 1: the structure and the report, by the variant's own apply, on meta tensors
-    from ..sizes import measure, size_report
+    from ..sizes import measure
 
     structure_model = copy.deepcopy(original)
-    report = ConversionReport(variant=to, adapter=adapter.name, architecture=type(original).__name__,
-                              dtype=str(working_dtype(original)).replace("torch.", ""),
-                              layernorms_total=len(layernorm_names(original)),
-                              stock_reloadable=plan.stock_reloadable, notes=list(plan.notes),
-                              centered_outputs=list(centered_outputs(plan)))
+    report = new_report(original, adapter, plan, options)  # as normfold.convert starts it
     before = measure(original)
     rotating = options.rotate is not None
     if rotating:
         from . import rotation
     variant = rotation.variant(options) if rotating else VARIANTS[to]
-    with beta_zero_from(norm_betas(structure_model, plan, names, source)), \
-            heads_unchanged_from(heads_unchanged(structure_model, plan, names, source, options)):
-        variant.apply(structure_model, plan, options, report)
+    # the value questions (β all zero, tied head unchanged) answered from the checkpoint: the model has no values
+    values = checkpoint_values(structure_model, plan, names, source, options)
+    variant.apply(structure_model, dataclasses.replace(plan, values=values), options, report)
     structure_model.eval()
-    report.size = size_report(before, structure_model)
-    report.kept = kept_norms(original, plan, {r.name for r in report.structure.norms})
+    finish_report(report, original, structure_model, plan, before)
     report.source = {"model": str(source_dir), "architecture": type(original).__name__,
                      "model_type": getattr(original.config, "model_type", None), "path": str(source_dir)}
     report.notes.append("converted shard by shard from the safetensors files (normfold.stream)")
@@ -228,6 +216,9 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     else:
         computer = Computer(values_model, plan, options, source, names, compression)
     owner = {k: v for k, v in owner.items() if k not in computer.head_means}  # computed from the source table
+    tied = tied_aliases(structure_model, [o for o in outputs if o.name not in computer.head_means], owner, comps)
+    computer.aliases = {a: name for a, (name, _) in tied.items()}
+    owner.update({a: i for a, (_, i) in tied.items()})
     files = assign_files(source, report, outputs, owner, comps, names)
     return write_streamed(out, files, outputs, owner, comps, computer, names, source, say, structure_model, report, t0)
 
