@@ -142,7 +142,10 @@ def rebinding(sources: dict[str, tuple[bool, str]] | None = None) -> set[tuple[s
                 own = isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.FormattedValue) \
                     and ast.unparse(arg.values[0].value) == "__name__"
                 literal = isinstance(arg, ast.Constant) and isinstance(arg.value, str)
-                if not own and (not literal or arg.value.startswith("normfold")):
+                # f"transformers.{name}": a literal prefix outside normfold says where the import goes
+                foreign = isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant) \
+                    and not str(arg.values[0].value).startswith("normfold")
+                if not own and not foreign and (not literal or arg.value.startswith("normfold")):
                     bad.add((mod, f"{func}({ast.unparse(arg)})"))
     return bad
 
@@ -159,6 +162,7 @@ import importlib
 from ..compress import crmsnorm as compress_convert
 from .. import errors
 _convert = importlib.import_module("normfold.conversion")
+_other = importlib.import_module(f"normfold.{name}")
 _convert._is_zero = lambda t: True
 compress_convert.head_unchanged = None
 setattr(errors, "X", 1)
@@ -166,9 +170,11 @@ setattr(errors, "X", 1)
     registry = """
 import importlib
 mod = importlib.import_module(f"{__name__}.gpt2")
+hf = importlib.import_module(f"transformers.{name}")
 """
     assert rebinding({"normfold.stream.plan": (False, patched)}) == {
         ("normfold.stream.plan", 'importlib.import_module(\'normfold.conversion\')'),
+        ("normfold.stream.plan", "importlib.import_module(f'normfold.{name}')"),
         ("normfold.stream.plan", "assigns compress_convert.head_unchanged"),
         ("normfold.stream.plan", "setattr(errors, ...)")}
     assert rebinding({"normfold.adapters": (True, registry)}) == set()

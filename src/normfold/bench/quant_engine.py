@@ -128,7 +128,7 @@ def _greedy_paths(model, inputs, prompt: int = 32, steps: int = 16):
 
 
 def evaluate(runner, name: str, original, model_dir, inputs, say, lm: bool, rounds: int):
-    from ..convert import convert
+    from ..conversion import convert
 
     forms = {}
     say(f"{runner.engine} {name}: stock ({runner.qtype})")

@@ -83,7 +83,7 @@ def calibration_batches(spec: str, model_dir=None, windows: int = 32, ctx: int =
 # ---- forms -------------------------------------------------------------------------------------------------
 
 def forms(model: nn.Module, say) -> dict[str, nn.Module]:
-    from ..convert import convert
+    from ..conversion import convert
     from ..rotate import add_attention_online_hadamard
 
     out = {"original": model}

@@ -89,18 +89,6 @@ def _inputs(model, args, model_dir):
     return example_inputs(model, torch.Generator().manual_seed(args.seed))
 
 
-def load_model(path):
-    from pathlib import Path
-
-    from .. import io
-
-    if (Path(path) / io.REPORT_FILE).is_file():
-        model = io.load(path)
-        return model, model.normfold_report
-    model, _ = io.load_source(path)
-    return model, None
-
-
 def _export_checked(model, inputs, out, args, steps, label):
     """Export `model` to `out` (atomically), optionally optimize, run in onnxruntime; returns
     (export info, ONNX outputs, PyTorch outputs)."""
@@ -182,6 +170,8 @@ def run(args) -> int:
             raise NormfoldError(f"{t.parent}: no such directory for the ONNX file")
     steps = Steps(total=2 + 2 * (args.original is not None) + 1, quiet=args.quiet)
     steps.start("load", f"loading {args.model}")
+    from .model_input import load_model
+
     model, report = load_model(args.model)
     original = None
     if args.original is not None:

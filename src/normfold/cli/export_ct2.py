@@ -37,7 +37,7 @@ def run_ct2(args) -> int:
     from ..checkpoint import ModelDir
     from ..engines import ct2
     from ..io.atomic import check_output_dir
-    from .export_cmd import load_model
+    from .model_input import load_model
 
     ct2.require_ctranslate2()
     ct2.check_quantization(args.quantization)

@@ -88,7 +88,7 @@ def source_digest(module: str, watches: tuple[str, ...]) -> str | None:
     """One digest over the installed source of every "Class.method" in `watches` (None where one is missing
     or has no source)."""
     try:
-        mod = importlib.import_module(module)
+        mod = transformers_module(module)
         parts = []
         for qual in watches:
             cls_name, _, meth = qual.partition(".")
@@ -96,6 +96,13 @@ def source_digest(module: str, watches: tuple[str, ...]) -> str | None:
     except (ImportError, AttributeError, OSError, TypeError, SyntaxError):
         return None
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16] if len(parts) > 1 else parts[0]
+
+
+def transformers_module(path: str):
+    """The transformers module `path` names (where a FusedBlock's class lives); nothing outside transformers."""
+    if not path.startswith("transformers."):
+        raise ImportError(f"{path} is not a transformers module")
+    return importlib.import_module(f"transformers.{path.removeprefix('transformers.')}")
 
 
 def spec_for(cls: type) -> FusedBlock | None:
