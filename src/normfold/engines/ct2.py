@@ -26,7 +26,6 @@ import copy
 import importlib.util
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -388,43 +387,26 @@ def write(ct2: Ct2Spec, out: str | os.PathLike, quantization: str = "float32", *
     """Validate, quantize and save the spec to directory `out` atomically (temp dir beside it, then rename).
     `files` are copied into it (tokenizer files). `own_weights` ("rtn", or a registered method) writes
     normfold's int8 weights instead of the engine's (int8 types only)."""
-    from ..io.atomic import apply_umask, check_output_dir, output_lock, write_failed
+    from ..io.atomic import check_output_dir, output_lock, staged_dir
 
     check_quantization(quantization)
     if own_weights and not quantization.startswith("int8"):
         raise CTranslate2Error(f"own integer weights need an int8 --quantization, not {quantization}")
     out = check_output_dir(out, force).absolute()
     spec = ct2.spec
-    with output_lock(out):
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-        backup = None
+    with output_lock(out), staged_dir(out) as tmp:
+        if own_weights:
+            _keep_float_weights(spec)
         try:
-            if own_weights:
-                _keep_float_weights(spec)
-            try:
-                spec.validate()
-            except ValueError as exc:
-                raise CTranslate2Error(f"CTranslate2 rejects the model: {exc}") from None
-            spec.optimize(quantization=quantization)
-            if own_weights:
-                set_own_int8(spec, own_weights)
-            spec.save(str(tmp))
-            for f in files:
-                shutil.copy2(f, tmp / Path(f).name)
-            apply_umask(tmp)
-            if out.exists():
-                backup = out.with_name(f".{out.name}.old-{os.getpid()}")
-                os.rename(out, backup)
-            os.rename(tmp, out)
-        except BaseException as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if backup is not None and not out.exists():
-                os.rename(backup, out)
-            if isinstance(exc, OSError):
-                raise write_failed(out, exc) from None
-            raise
-        if backup is not None:
-            shutil.rmtree(backup, ignore_errors=True)
+            spec.validate()
+        except ValueError as exc:
+            raise CTranslate2Error(f"CTranslate2 rejects the model: {exc}") from None
+        spec.optimize(quantization=quantization)
+        if own_weights:
+            set_own_int8(spec, own_weights)
+        spec.save(str(tmp))
+        for f in files:
+            shutil.copy2(f, tmp / Path(f).name)
     return out
 
 

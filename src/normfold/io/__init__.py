@@ -28,7 +28,6 @@ import os
 import re
 import shutil
 import tempfile
-import uuid
 from pathlib import Path
 
 import torch
@@ -40,7 +39,7 @@ from ..checkpoint.writer import can_write, save_safetensors
 from ..adapters.base import get
 from ..errors import CheckpointError, ModelNotFoundError, NormfoldError, NotAModelError, ReportSchemaError, first_line
 from ..report import ConversionReport
-from .atomic import (apply_umask, check_output_dir, output_lock, write_failed)  # noqa: F401  (re-exported)
+from .atomic import (apply_umask, check_output_dir, output_lock, staged_dir, write_failed)  # noqa: F401  (re-exported)
 from .structure import (STRUCTURE_PARTS, apply_structure, apply_tied_heads, register_structure_part,  # noqa: F401
                         validate_structure)
 
@@ -255,10 +254,7 @@ def save(model: nn.Module, report: ConversionReport, out: str | os.PathLike, *, 
     out = check_output_dir(out, force).absolute()
     # the files copied from the source, checked before any output exists (nothing from outside it)
     auxiliary = ModelDir(source_dir).auxiliary_files() if source_dir is not None else []
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    backup = None
-    try:
+    with staged_dir(out, write_errors=("SafetensorError",)) as tmp:
         weights = STOCK_WEIGHTS if report.stock_reloadable else NORMFOLD_WEIGHTS
         # one metadata key: safetensors writes __metadata__ from a Rust HashMap, so with two keys their
         # order (and the file's bytes) changed from run to run (conversions must be repeatable)
@@ -286,20 +282,6 @@ def save(model: nn.Module, report: ConversionReport, out: str | os.PathLike, *, 
         for f in auxiliary:
             shutil.copy2(f, tmp / f.name)
         (tmp / REPORT_FILE).write_text(report.to_json() + "\n")
-        apply_umask(tmp)
-        if out.exists():
-            backup = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
-            os.rename(out, backup)
-        os.rename(tmp, out)
-    except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if backup is not None and not out.exists():
-            os.rename(backup, out)
-        if isinstance(exc, OSError) or type(exc).__name__ == "SafetensorError":
-            raise write_failed(out, exc) from None
-        raise
-    if backup is not None:
-        shutil.rmtree(backup, ignore_errors=True)
     return out
 
 

@@ -104,3 +104,37 @@ def apply_umask(directory: Path) -> None:
     for f in directory.iterdir():
         if f.is_file():
             os.chmod(f, 0o666 & ~mask)
+
+
+@contextlib.contextmanager
+def staged_dir(out: Path, *, write_errors: tuple[str, ...] = ()):
+    """Build a directory in a temporary sibling of `out` (yielded), then put it in `out`'s place.
+
+    The body writes everything into the yielded directory; on a clean exit its permissions follow the
+    umask, an existing `out` is moved aside, the new directory renamed into place and the old one removed.
+    On any error the temporary directory is removed and the old `out` restored, so nothing half-written is
+    left. OSError (and exceptions whose class name is in `write_errors`) become `write_failed`'s message."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    backup = None
+    try:
+        yield tmp
+        apply_umask(tmp)
+        if out.exists():
+            backup = out.with_name(f".{out.name}.old-{os.getpid()}-{os.urandom(4).hex()}")
+            os.rename(out, backup)
+        os.rename(tmp, out)
+    except BaseException as exc:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        if backup is not None and not out.exists():
+            os.rename(backup, out)
+        if isinstance(exc, OSError) or type(exc).__name__ in write_errors:
+            raise write_failed(out, exc) from None
+        raise
+    if backup is not None:
+        import shutil
+
+        shutil.rmtree(backup, ignore_errors=True)

@@ -34,9 +34,8 @@ def _blocks(weight: Tensor, group_size: int | None) -> Tensor:
     return weight.reshape(out, -1, group_size)
 
 
-def rtn(weight: Tensor, bits: int, group_size: int | None) -> IntWeight:
-    """Round to nearest with the absmax scale of each row (or block)."""
-    top = 2 ** (bits - 1) - 1
+def _absmax_round(weight: Tensor, bits: int, group_size: int | None, top: int) -> IntWeight:
+    """Round to nearest on the grid ±top with the absmax scale of each row (or block), stored as `bits`-bit."""
     w = _blocks(weight.detach().to(torch.float64), group_size)
     amax = w.abs().amax(dim=-1)
     scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
@@ -44,6 +43,11 @@ def rtn(weight: Tensor, bits: int, group_size: int | None) -> IntWeight:
     q = q.reshape(weight.shape[0], -1)[:, :weight.shape[1]].to(torch.int8)
     scale = scale.to(torch.float32)
     return IntWeight(q, scale[:, 0] if group_size is None else scale, bits, group_size)
+
+
+def rtn(weight: Tensor, bits: int, group_size: int | None) -> IntWeight:
+    """Round to nearest with the absmax scale of each row (or block)."""
+    return _absmax_round(weight, bits, group_size, 2 ** (bits - 1) - 1)
 
 
 def rtn_reduced(weight: Tensor, bits: int, group_size: int | None) -> IntWeight:
@@ -53,14 +57,7 @@ def rtn_reduced(weight: Tensor, bits: int, group_size: int | None) -> IntWeight:
     VNNI: CTranslate2's and onnxruntime's CPU int8 paths), each pair of products is summed in int16 with
     saturation: 2 · 255 · 127 overflows it, 2 · 255 · 63 = 32130 does not. Halving the weight range costs
     one bit of weight precision and removes the saturation (onnxruntime calls this `reduce_range`)."""
-    top = 2 ** (bits - 2) - 1
-    w = _blocks(weight.detach().to(torch.float64), group_size)
-    amax = w.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
-    q = torch.clamp(torch.round(w / scale[..., None]), -top, top)
-    q = q.reshape(weight.shape[0], -1)[:, :weight.shape[1]].to(torch.int8)
-    scale = scale.to(torch.float32)
-    return IntWeight(q, scale[:, 0] if group_size is None else scale, bits, group_size)
+    return _absmax_round(weight, bits, group_size, 2 ** (bits - 2) - 1)
 
 
 METHODS: dict[str, Callable[[Tensor, int, int | None], IntWeight]] = {"rtn": rtn, "rtn-reduced": rtn_reduced}
