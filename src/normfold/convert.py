@@ -89,13 +89,15 @@ class Rotator:
 
 
 ROTATOR: dict[str, Rotator] = {}
+ATTENTION_ROTATIONS = ("vo", "online", "both")
 
 
 def register_rotator(apply: Callable[..., None], output_map: Callable[..., Callable]) -> None:
     ROTATOR["rotator"] = Rotator(apply, output_map)
 
 
-def rotating_variant(variant: Variant, rotate: str, seed: int, keep_affine: bool, online: bool) -> Variant:
+def rotating_variant(variant: Variant, rotate: str, seed: int, keep_affine: bool, online: bool,
+                     attention: str | None = None) -> Variant:
     if variant.name != "rmsnorm":
         raise UnsupportedConversionError(f"--rotate works with --to rmsnorm (got --to {variant.name}): the "
                                          "rotated stream is the Pre-RMSNorm one")
@@ -107,7 +109,7 @@ def rotating_variant(variant: Variant, rotate: str, seed: int, keep_affine: bool
     rot = ROTATOR["rotator"]
 
     def apply(model, plan, options, report):
-        rot.apply(model, plan, options, report, rotate, seed, online=online)
+        rot.apply(model, plan, options, report, rotate, seed, online=online, attention=attention)
 
     return Variant(variant.name, f"{variant.description}; residual stream rotated ({rotate}, seed {seed})", apply)
 
@@ -708,7 +710,7 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
             inplace: bool = False, verify: bool = True, inputs: dict | None = None, fp64_tol: float = 1e-9,
             progress: Progress | None = None, auto: bool = False, rotate: str | None = None,
             rotate_seed: int | None = None, rotate_online: bool | None = None, untie: bool | None = None,
-            fast: bool = True, discard_original: bool = False) -> tuple[nn.Module, ConversionReport]:
+            rotate_attention: str | None = None, fast: bool = True, discard_original: bool = False) -> tuple[nn.Module, ConversionReport]:
     """Convert `model` and return (converted model in eval mode, report).
 
     The original is not modified unless `inplace=True`. With `verify=True` (default) both models
@@ -730,6 +732,8 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
     fixes the all-ones direction (`normfold.rotate`); refused with the reason where it cannot be exact.
     `rotate_online`: also an online Hadamard before every MLP down-projection (exact; the checkpoint then
     needs `normfold.load`).
+    `rotate_attention` (needs `rotate`): "vo" rotates V and O per head in the weights (exact, nothing added),
+    "online" adds an online Hadamard before every attention output projection (needs `normfold.load`), "both".
 
     A head tied to an embedding table stays tied (loads with normfold.load): the table stays the original
     tensor, the head the stock Linear reading it, and a Recenter after the embedding centres its output
@@ -748,7 +752,8 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
     """
     options = resolve_options(options, "normfold.convert", to=to, keep_affine=keep_affine, fold_final=fold_final,
                               allow_new_bias=allow_new_bias, pad=pad, variant_options=variant_options,
-                              untie=untie, rotate=rotate, rotate_seed=rotate_seed, rotate_online=rotate_online)
+                              untie=untie, rotate=rotate, rotate_seed=rotate_seed, rotate_online=rotate_online,
+                              rotate_attention=rotate_attention)
     options = options.replace(keep_affine=bool(options.keep_affine))
     rotate, rotate_seed, rotate_online = options.rotate, options.rotate_seed, options.rotate_online
     to, fold_final = options.to, options.fold_final
@@ -759,8 +764,15 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
     variant = VARIANTS[to]
     if rotate_online and rotate is None:
         raise UnsupportedConversionError("--rotate-online needs --rotate hadamard|orthogonal")
+    if options.rotate_attention is not None:
+        if options.rotate_attention not in ATTENTION_ROTATIONS:
+            raise UnsupportedConversionError(f"unknown attention rotation {options.rotate_attention!r}; choose one "
+                                             f"of {', '.join(ATTENTION_ROTATIONS)}")
+        if rotate is None:
+            raise UnsupportedConversionError("--rotate-attention needs --rotate hadamard|orthogonal")
     if rotate is not None:
-        variant = rotating_variant(variant, rotate, rotate_seed, options.keep_affine, rotate_online)
+        variant = rotating_variant(variant, rotate, rotate_seed, options.keep_affine, rotate_online,
+                                   options.rotate_attention)
         fold_final = True  # the final norms' γ must leave the stream before it is rotated
         # a tied head cannot stay the table: the final norm's γ folds into the head (diag(γ) on the rotated
         # basis), so rotation converts with the untied form (the report notes it)

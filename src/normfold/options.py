@@ -37,6 +37,9 @@ class ConvertOptions:
         an orthogonal Q that fixes the all-ones direction (`normfold.rotate`, docs/rotation.md); None: no rotation.
     rotate_seed: the seed of a random rotation.
     rotate_online: also an online Hadamard before every MLP down-projection (needs `rotate`).
+    rotate_attention: rotations inside attention (needs `rotate`): "vo" the exact per-head rotation of the
+        value/output projections (weights only), "online" an online Hadamard before the attention output
+        projection, "both"; None: neither.
     variant_options: options of the target itself (e.g. UnifiedNorm's M, warmup; `--option KEY=VALUE`).
     """
 
@@ -49,6 +52,7 @@ class ConvertOptions:
     rotate: str | None = None
     rotate_seed: int = 0
     rotate_online: bool = False
+    rotate_attention: str | None = None
     variant_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

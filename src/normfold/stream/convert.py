@@ -98,6 +98,9 @@ def _options(options, to, keep_affine, fold_final, allow_new_bias, pad, untie, r
         raise StreamUnsupportedError("--untie applies to --to rmsnorm only")
     if options.rotate_online and options.rotate is None:
         raise StreamUnsupportedError("--rotate-online needs --rotate hadamard|orthogonal")
+    if options.rotate_attention is not None:
+        raise StreamUnsupportedError("--rotate-attention needs the in-memory conversion (--stream never, or "
+                                     "normfold.convert)")
     if options.rotate is not None:
         if options.to != "rmsnorm":
             raise StreamUnsupportedError(f"--rotate works with --to rmsnorm (got --to {options.to})")
