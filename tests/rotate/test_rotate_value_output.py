@@ -64,11 +64,7 @@ def test_unknown_family_is_refused(case):
         rotate_value_output(model)
 
 
-COMPOSED = [("gpt2", "tied", "GPT2LMHeadModel"), ("gpt_neox", "parallel", "GPTNeoXForCausalLM"),
-            ("falcon", "new-arch-ln-attn-mlp", "FalconForCausalLM")]
-
-
-@pytest.mark.parametrize("case", COMPOSED, ids=_ids(COMPOSED))
+@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
 def test_composes_with_stream_rotation_and_online_hadamards(case, tmp_path):
     _, model, inputs = _build(*case, torch.float64)
     conv, report = normfold.convert(model, rotate="hadamard", rotate_online=True, rotate_attention="both")
@@ -82,7 +78,10 @@ def test_composes_with_stream_rotation_and_online_hadamards(case, tmp_path):
             assert rel_err(_back(name, got[name], report, qs), _ref(name, ref[name], report)) <= 1e-9, name
     loaded = normfold.load(normfold.save(conv, report, tmp_path / "out"))
     for name, t in run_flat(loaded, inputs).items():
-        assert torch.equal(t, got[name]), name
+        if case[0] == "gptj":  # GPT-J reloads within 1e-10 even unrotated (its rotary tables are rebuilt)
+            assert rel_err(t, got[name]) <= 1e-9, name
+        else:
+            assert torch.equal(t, got[name]), name
 
 
 def test_vo_alone_is_weights_only_and_reloads(tmp_path):
@@ -97,6 +96,14 @@ def test_vo_alone_is_weights_only_and_reloads(tmp_path):
     loaded = normfold.load(normfold.save(conv, report, tmp_path / "out"))
     for name, t in run_flat(loaded, inputs).items():
         assert torch.equal(t, got[name]), name
+    assert report.stock_reloadable  # weights only: stock transformers runs it as it runs the plain rotation
+    import transformers
+
+    stock = transformers.OPTForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float64).eval()
+    assert rel_err(run_flat(stock, inputs)["logits"], got["logits"]) <= 1e-9
+    ids = inputs["input_ids"]
+    ep = torch.export.export(loaded, (), {"input_ids": ids, "use_cache": False})
+    assert rel_err(ep.module()(input_ids=ids, use_cache=False).logits, loaded(input_ids=ids, use_cache=False).logits) <= 1e-9
 
 
 def test_needs_rotate_and_a_known_choice():
