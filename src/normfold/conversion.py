@@ -107,14 +107,16 @@ def register_rotator(apply: Callable[..., None], output_map: Callable[..., Calla
     ROTATOR["rotator"] = Rotator(apply, output_map)
 
 
-def rotating_variant(variant: Variant, rotate: str, seed: int, keep_affine: bool, online: bool) -> Variant:
-    """`variant` (rmsnorm: `ConvertOptions.check` refuses the others) with its stream rotated afterwards."""
+def rotating_variant(variant: Variant, rotate: str, seed: int, keep_affine: bool, online: bool,
+                     attention: str | None = None) -> Variant:
+    """`variant` (rmsnorm: `ConvertOptions.check` refuses the others) with its stream rotated afterwards, and
+    inside attention where `attention` asks ("vo", "online", "both")."""
     if "rotator" not in ROTATOR:  # pragma: no cover - normfold/__init__ imports normfold.rotate
         raise UnsupportedConversionError("rotation is not available (import normfold.rotate)")
     rot = ROTATOR["rotator"]
 
     def apply(model, plan, options, report):
-        rot.apply(model, plan, options, report, rotate, seed, online=online)
+        rot.apply(model, plan, options, report, rotate, seed, online=online, attention=attention)
 
     # a final norm's output is skipped where its γ/β went into the heads (rotated basis, lacking them) and
     # compared where a head-less final norm kept them (un-rotated by its x·Qᵀ hook): verify.FinalNorms
@@ -128,7 +130,7 @@ def variant_for(options: ConvertOptions) -> Variant:
     variant = VARIANTS[options.to]
     if options.rotate is not None:
         variant = rotating_variant(variant, options.rotate, options.rotate_seed, options.keep_affine,
-                                   options.rotate_online)
+                                   options.rotate_online, options.rotate_attention)
     variant_options = options.target_options()
     if variant_options and not variant.takes_options:
         raise UnsupportedConversionError(
@@ -768,7 +770,8 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
             inplace: bool = False, verify: bool = True, inputs: dict | None = None, fp64_tol: float = 1e-9,
             progress: Progress | None = None, auto: bool = False, rotate: str | None = None,
             rotate_seed: int | None = None, rotate_online: bool | None = None, untie: bool | None = None,
-            fast: bool = True, discard_original: bool = False) -> tuple[nn.Module, ConversionReport]:
+            rotate_attention: str | None = None, fast: bool = True,
+            discard_original: bool = False) -> tuple[nn.Module, ConversionReport]:
     """Convert `model` and return (converted model in eval mode, report).
 
     The original is not modified unless `inplace=True`. With `verify=True` (default) both models
@@ -790,6 +793,8 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
     fixes the all-ones direction (`normfold.rotate`); refused with the reason where it cannot be exact.
     `rotate_online`: also an online Hadamard before every MLP down-projection (exact; the checkpoint then
     needs `normfold.load`).
+    `rotate_attention` (needs `rotate`): "vo" rotates V and O per head in the weights (exact, nothing added),
+    "online" adds an online Hadamard before every attention output projection (needs `normfold.load`), "both".
 
     A head tied to an embedding table stays tied (loads with normfold.load): the table stays the original
     tensor, the head the stock Linear reading it, and a Recenter after the embedding centres its output
@@ -808,7 +813,8 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
     """
     options = conversion_options(options, to=to, keep_affine=keep_affine, fold_final=fold_final,
                                  allow_new_bias=allow_new_bias, pad=pad, variant_options=variant_options, untie=untie,
-                                 rotate=rotate, rotate_seed=rotate_seed, rotate_online=rotate_online)
+                                 rotate=rotate, rotate_seed=rotate_seed, rotate_online=rotate_online,
+                                 rotate_attention=rotate_attention)
     variant = variant_for(options)
     handler = CONVERTED_HANDLER.get("handler")
     if handler is not None and (options.to == "layernorm" or handler.source_variant(model) != "layernorm"):

@@ -38,6 +38,9 @@ class ConvertOptions:
         an orthogonal Q that fixes the all-ones direction (`normfold.rotate`, docs/rotation.md); None: no rotation.
     rotate_seed: the seed of a random rotation.
     rotate_online: also an online Hadamard before every MLP down-projection (needs `rotate`).
+    rotate_attention: rotations inside attention (needs `rotate`): "vo" the exact per-head rotation of the
+        value/output projections (weights only), "online" an online Hadamard before the attention output
+        projection, "both"; None: neither.
     variant_options: options of the target itself (e.g. UnifiedNorm's M, warmup; `--option KEY=VALUE`).
     """
 
@@ -50,6 +53,7 @@ class ConvertOptions:
     rotate: str | None = None
     rotate_seed: int = 0
     rotate_online: bool = False
+    rotate_attention: str | None = None
     variant_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -85,6 +89,11 @@ class ConvertOptions:
             raise UnsupportedConversionError(
                 "--untie applies to --to rmsnorm only (--to crmsnorm checkpoints load with normfold.load only and "
                 "keep the tie on the compressed table)")
+        if self.rotate_attention is not None and self.rotate_attention not in ATTENTION_ROTATIONS:
+            raise UnsupportedConversionError(f"unknown attention rotation {self.rotate_attention!r}; choose one of "
+                                             f"{', '.join(ATTENTION_ROTATIONS)}")
+        if self.rotate_attention is not None and self.rotate is None:
+            raise UnsupportedConversionError("--rotate-attention needs --rotate hadamard|orthogonal")
         if self.rotate is None:
             return self
         if self.to != "rmsnorm":
@@ -112,6 +121,9 @@ class ConvertOptions:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(ConvertOptions))
+# rotations inside attention (`rotate_attention`): the per-head V/O rotation in the weights, the online Hadamard
+# before each attention output projection, or both
+ATTENTION_ROTATIONS = ("vo", "online", "both")
 # the version of the `options` record in normfold.json (`ConvertOptions.to_record`)
 OPTIONS_VERSION = 1
 

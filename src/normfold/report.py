@@ -297,6 +297,7 @@ class OptionsSpec:
     rotate: Optional[str] = None
     rotate_seed: int = 0
     rotate_online: bool = False
+    rotate_attention: Optional[str] = None
     variant_options: dict = field(default_factory=dict)
 
 

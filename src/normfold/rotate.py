@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -54,7 +55,8 @@ from .report import ConversionReport
 from .verify import CENTERED_OUTPUTS
 
 __all__ = ["apply_rotation", "rotation_of", "unrotate_outputs", "stream_rotations", "add_online_hadamard",
-           "mlp_down_projections", "attention_output_projections", "add_attention_online_hadamard"]
+           "mlp_down_projections", "attention_output_projections", "add_attention_online_hadamard",
+           "HEAD_LAYOUTS", "HeadLayout", "head_rotation", "rotate_value_output"]
 
 def _refuse(why: str) -> UnsupportedConversionError:
     return UnsupportedConversionError(f"cannot rotate this model exactly: {why}")
@@ -230,9 +232,11 @@ def stream_rotations(widths, kind: str, seed: int) -> dict[int, tuple[Tensor, st
 
 
 def apply_rotation(model: nn.Module, plan: ConversionPlan, options: ConvertOptions, report: ConversionReport,
-                   kind: str, seed: int, online: bool = False) -> None:
+                   kind: str, seed: int, online: bool = False, attention: str | None = None) -> None:
     """Pre-LN -> rotated Pre-RMSNorm on `model` in place (see the module docstring); `online`: also an
-    online Hadamard before each MLP down-projection (`add_online_hadamard`)."""
+    online Hadamard before each MLP down-projection (`add_online_hadamard`); `attention`: "vo" the per-head
+    value/output rotation (`rotate_value_output`), "online" the attention-output Hadamard
+    (`add_attention_online_hadamard`), "both"."""
     if kind not in algebra.rotation.KINDS:
         raise UnsupportedConversionError(f"unknown rotation {kind!r}; choose one of {', '.join(algebra.rotation.KINDS)}")
     points = rotation_points(plan)
@@ -292,6 +296,10 @@ def apply_rotation(model: nn.Module, plan: ConversionPlan, options: ConvertOptio
             done = add_online_hadamard(model, mlp_down_projections(model, report), report)
             report.notes.append(f"online Hadamard before {len(done)} MLP down-projection(s) (fast Walsh-Hadamard "
                                 "op on their input, weights rotated to match): load with normfold.load")
+        if attention in ("vo", "both"):
+            rotate_value_output(model, report, seed)
+        if attention in ("online", "both"):
+            add_attention_online_hadamard(model, report)
     finally:
         model.to(dtype)
 
@@ -324,8 +332,8 @@ def add_online_hadamard(model: nn.Module, paths: list[str], report: ConversionRe
     return done
 
 
-def mlp_down_projections(model: nn.Module, report: ConversionReport) -> list[str]:
-    """Stream writers whose input is wider than the stream (the MLP down-projections)."""
+def _stream_writers(model: nn.Module, report: ConversionReport, input_on_stream: bool) -> list[str]:
+    """The centred linear writers of a rotated stream whose input is (or is not) as wide as a stream."""
     out = []
     widths = {s["width"] for s in report.structure.rotation.get("streams", [])}
     for path in report.centered:
@@ -334,25 +342,20 @@ def mlp_down_projections(model: nn.Module, report: ConversionReport) -> list[str
         if lay is None or lay.in_dim is None or not algebra.is_linear_reader(obj):
             continue
         w = getattr(obj, lay.weight)
-        if int(w.shape[lay.in_dim]) not in widths and int(w.shape[lay.out_dim]) in widths:
+        if (int(w.shape[lay.in_dim]) in widths) == input_on_stream and int(w.shape[lay.out_dim]) in widths:
             out.append(path)
     return out
+
+
+def mlp_down_projections(model: nn.Module, report: ConversionReport) -> list[str]:
+    """Stream writers whose input is wider than the stream (the MLP down-projections)."""
+    return _stream_writers(model, report, input_on_stream=False)
 
 
 def attention_output_projections(model: nn.Module, report: ConversionReport) -> list[str]:
     """Stream writers as wide in as out: the attention output projections (their input is the heads'
     concatenated output)."""
-    out = []
-    widths = {s["width"] for s in report.structure.rotation.get("streams", [])}
-    for path in report.centered:
-        obj = get(model, path)
-        lay = None if isinstance(obj, nn.Parameter) else algebra.layout_of(obj)
-        if lay is None or lay.in_dim is None or not algebra.is_linear_reader(obj):
-            continue
-        w = getattr(obj, lay.weight)
-        if int(w.shape[lay.in_dim]) in widths and int(w.shape[lay.out_dim]) in widths:
-            out.append(path)
-    return out
+    return _stream_writers(model, report, input_on_stream=True)
 
 
 def add_attention_online_hadamard(model: nn.Module, report: ConversionReport) -> list[str]:
@@ -365,6 +368,146 @@ def add_attention_online_hadamard(model: nn.Module, report: ConversionReport) ->
     if done:
         report.notes.append(f"online Hadamard before {len(done)} attention output projection(s): load with "
                             "normfold.load")
+    return done
+
+
+# ---- the value/output pair: an exact per-head rotation in the weights (QuaRot) ------------------------
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """Where one family keeps an attention's values and output projection. `attention`: regex of the attention
+    modules' paths; `v`, `o`: the modules holding V and O under it; `heads(config)`: (heads, KV heads, head_dim);
+    `value_index(heads, kv, hd)`: V's output features per KV head, a (kv, hd) LongTensor. O's input features of
+    head h are h·hd … (h+1)·hd, and head h reads KV head h // (heads / kv)."""
+
+    attention: str
+    v: str
+    o: str
+    heads: Callable
+    value_index: Callable
+
+
+def _plain_heads(n_heads: str, width: str, kv: str | None = None) -> Callable:
+    def fn(cfg):
+        h, d = int(getattr(cfg, n_heads)), int(getattr(cfg, width))
+        k = int(getattr(cfg, kv, None) or h) if kv else h
+        return h, k, int(getattr(cfg, "head_dim", None) or d // h)
+    return fn
+
+
+def _separate(h, kv, hd):  # a V projection of its own: KV head g is rows g·hd … (g+1)·hd
+    return torch.arange(kv * hd).view(kv, hd)
+
+
+def _interleaved(h, kv, hd):  # fused QKV as [heads, 3, head_dim] (GPT-NeoX, BLOOM, Falcon's original layout)
+    return (torch.arange(kv) * 3 * hd + 2 * hd)[:, None] + torch.arange(hd)
+
+
+def _gpt2(h, kv, hd):  # fused Conv1D [Q | K | V], each d wide
+    return 2 * h * hd + torch.arange(kv * hd).view(kv, hd)
+
+
+def _falcon_heads(cfg):
+    h = int(cfg.num_attention_heads)
+    hd = int(cfg.hidden_size) // h
+    if cfg.new_decoder_architecture:
+        return h, int(cfg.num_kv_heads), hd
+    return h, 1 if cfg.multi_query else h, hd
+
+
+def _falcon(h, kv, hd):
+    if kv == h:  # original layout, one KV head per head, interleaved
+        return _interleaved(h, kv, hd)
+    # [kv groups, heads per group + 2, head_dim] (new architecture; multi-query is one group: Q…, K, V)
+    per = h // kv + 2
+    return (torch.arange(kv) * per * hd + (per - 1) * hd)[:, None] + torch.arange(hd)
+
+
+HEAD_LAYOUTS: dict[str, HeadLayout] = {
+    "gpt2": HeadLayout(r"\.attn$", "c_attn", "c_proj", _plain_heads("n_head", "n_embd"), _gpt2),
+    "opt": HeadLayout(r"\.self_attn$", "v_proj", "out_proj", _plain_heads("num_attention_heads", "hidden_size"),
+                      _separate),
+    "gpt_neox": HeadLayout(r"\.attention$", "query_key_value", "dense",
+                           _plain_heads("num_attention_heads", "hidden_size"), _interleaved),
+    "phi": HeadLayout(r"\.self_attn$", "v_proj", "dense",
+                      _plain_heads("num_attention_heads", "hidden_size", "num_key_value_heads"), _separate),
+    "gptj": HeadLayout(r"\.attn$", "v_proj", "out_proj", _plain_heads("n_head", "n_embd"), _separate),
+    "gpt_neo": HeadLayout(r"\.attn\.attention$", "v_proj", "out_proj",
+                          _plain_heads("num_heads", "hidden_size"), _separate),
+    "falcon": HeadLayout(r"\.self_attention$", "query_key_value", "dense", _falcon_heads, _falcon),
+    "bloom": HeadLayout(r"\.self_attention$", "query_key_value", "dense", _plain_heads("n_head", "hidden_size"),
+                        _interleaved),
+}
+
+
+def head_rotation(hd: int, seed: int = 0) -> tuple[Tensor, str]:
+    """An orthogonal hd × hd matrix: a Hadamard with random signs, D·H/√hd, where hd has a construction, else a
+    seeded random orthogonal matrix. Float64."""
+    if hadamard_factor(hd):
+        return algebra.rotation.random_signs(hd, seed)[:, None] * hadamard_matrix(hd).to(torch.float64) / hd ** 0.5, \
+            "randomized Hadamard"
+    return algebra.rotation.random_orthogonal(hd, seed), "random orthogonal"
+
+
+def _rotate_features(t: Tensor, axis: int, index: Tensor, h: Tensor) -> Tensor:
+    """t with the features `index` (k, hd) along `axis` mapped f ← Hᵀ·f per row of `index` (float64)."""
+    x = t.detach().to(torch.float64).movedim(axis, 0).clone()
+    flat = index.reshape(-1)
+    sel = x[flat].reshape(index.shape[0], index.shape[1], -1)  # (k, hd, rest)
+    x[flat] = torch.einsum("ji,kjr->kir", h, sel).reshape(flat.numel(), *x.shape[1:])
+    return x.movedim(0, axis)
+
+
+def rotate_value_output(model: nn.Module, report: ConversionReport | None = None, seed: int = 0) -> list[str]:
+    """QuaRot's exact per-head rotation of the value/output pair, in the weights: V's output features of every
+    head ← ·H (its bias too), O's input features of that head ← Hᵀ· (nothing added to the model; grouped / multi-query
+    KV: one H for every head, so each KV head is rotated once). Works on any model of a family in
+    `HEAD_LAYOUTS` (rotated or not); refuses others. With `report`, records {"seed", "head_dim", "construction",
+    "layers"} in structure.rotation["value_output"] when the stream is rotated (a note otherwise). Returns the
+    attention paths done."""
+    cfg = getattr(model, "config", None)
+    family = getattr(cfg, "model_type", None)
+    layout = HEAD_LAYOUTS.get(family)
+    if layout is None:
+        raise UnsupportedConversionError(
+            f"the value/output rotation knows where V and O live for {', '.join(sorted(HEAD_LAYOUTS))}; not for "
+            f"{family or type(model).__name__!r} (leave out the value/output rotation, or add a "
+            "normfold.rotate.HEAD_LAYOUTS entry)")
+    n_heads, kv, hd = layout.heads(cfg)
+    if n_heads % kv:
+        raise UnsupportedConversionError(f"{family}: {n_heads} heads do not split into {kv} KV groups")
+    h, construction = head_rotation(hd, seed)
+    vi = layout.value_index(n_heads, kv, hd)
+    oi = torch.arange(n_heads * hd).view(n_heads, hd)
+    pattern = re.compile(layout.attention)
+    done = []
+    for path, attn in list(model.named_modules()):
+        if not pattern.search(path) or not hasattr(attn, layout.v) or not hasattr(attn, layout.o):
+            continue
+        v, o = getattr(attn, layout.v), getattr(attn, layout.o)
+        lv, lo = algebra.layout_of(v), algebra.layout_of(o)
+        if lv is None or lo is None or lo.in_dim is None:
+            raise UnsupportedConversionError(f"{path}: {layout.v} / {layout.o} are not linear modules")
+        wv, wo = getattr(v, lv.weight), getattr(o, lo.weight)
+        if int(wo.shape[lo.in_dim]) != n_heads * hd or int(wv.shape[lv.out_dim]) <= int(vi.max()):
+            raise UnsupportedConversionError(f"{path}: the shapes of {layout.v} / {layout.o} do not match "
+                                             f"{n_heads} heads of {hd} ({kv} KV heads)")
+        with torch.no_grad():
+            wv.copy_(_rotate_features(wv, lv.out_dim, vi, h))
+            bv = getattr(v, lv.bias, None) if lv.bias else None
+            if bv is not None:
+                bv.copy_(_rotate_features(bv, 0, vi, h))
+            wo.copy_(_rotate_features(wo, lo.in_dim, oi, h))
+        done.append(path)
+    if not done:
+        raise UnsupportedConversionError(f"no attention module of the {family} layout found in this model")
+    if report is not None:
+        report.tensors_edited += 2 * len(done)
+        info = {"seed": int(seed), "head_dim": hd, "construction": construction, "layers": len(done)}
+        if report.structure.rotation:
+            report.structure.rotation["value_output"] = info
+        report.notes.append(f"value/output projections rotated per head ({construction} {hd}×{hd}, seed {seed}, "
+                            f"{len(done)} layer(s)): in the weights only, exact")
     return done
 
 

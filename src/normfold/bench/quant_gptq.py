@@ -4,7 +4,8 @@ the plain and rotated streams, with per-layer clipping searched on calibration d
 Same models and held-out evaluation as `bench quant` (MODEL, default the bundled kjv-gpt2: perplexity on
 held-out KJV chapters; "outlier-gpt2": relative logit error against its fp32 self). Forms: the original
 (LayerNorm), the plain Pre-RMSNorm conversion, `--rotate hadamard`, + online Hadamard before the MLP
-down-projections, + online Hadamard before the attention output projections as well.
+down-projections, + online Hadamard before the attention output projections as well, + the per-head
+value/output rotation in the weights (`--rotate-attention both`).
 
 Weights (every linear, LM head included unless a config says "/head16", symmetric; an LM head tied to the
 embedding is untied first, the embedding stays float): "rtn" (round-to-nearest, per output channel or
@@ -37,7 +38,7 @@ from .timing import machine_info
 
 CTX = 256
 WEIGHTS = ("rtn", "gptq", "gptq+clip")
-FORMS = ("original", "plain", "rotated", "rotated+online", "rotated+online+attn")
+FORMS = ("original", "plain", "rotated", "rotated+online", "rotated+online+attn", "rotated+online+attn+vo")
 CONFIGS = ("W4A16", "W4A8", "W4A4", "W8A8", "W4A16/head16", "W4A4/head16")
 ACT_CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
 COLUMNS = ["model", "form", "weights", "config", "group", "perplexity", "ppl_gap", "logit_rel_err", "top1_agree",
@@ -93,6 +94,8 @@ def forms(model: nn.Module, say) -> dict[str, nn.Module]:
     out["rotated+online"], _ = convert(model, rotate="hadamard", rotate_online=True, verify=False)
     out["rotated+online+attn"], rep2 = convert(model, rotate="hadamard", rotate_online=True, verify=False)
     add_attention_online_hadamard(out["rotated+online+attn"], rep2)
+    out["rotated+online+attn+vo"], _ = convert(model, rotate="hadamard", rotate_online=True,
+                                              rotate_attention="both", verify=False)
     return out
 
 

@@ -104,6 +104,14 @@ def add_parser(sub) -> None:
     p.add_argument("--rotate-online", action="store_true",
                    help="with --rotate: also rotate the input of every MLP down-projection by a Hadamard at run "
                         "time (exact; for 4-bit activations; the checkpoint then needs normfold.load)")
+    p.add_argument("--rotate-attention", choices=["vo", "online", "both"], default=None,
+                   help="with --rotate: rotations inside attention, exact. vo = each head's values ·H and the "
+                        "output projection's rows of that head Hᵀ· (H a randomized head_dim Hadamard, seeded by "
+                        "--rotate-seed; weights only, nothing added, stock-reloadable when the rest is; families: "
+                        "GPT-2, GPT-Neo, GPT-J, GPT-NeoX, OPT, Phi, Falcon, BLOOM); online = a Hadamard on the "
+                        "heads' concatenated output before the output projection at run time (for 4-bit "
+                        "activations there; needs normfold.load); both. Converts in memory (--stream always "
+                        "refuses it)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="option of the conversion target, repeatable (--to un: M, M_grad, warmup, alpha, "
                         "outlier_filtration; e.g. --option warmup=500)")
@@ -131,7 +139,7 @@ def add_parser(sub) -> None:
                         "explicit rotation hooks: BLOOM, CLIP, Whisper, ...), and a Pre-RMSNorm or Pre-CRMSNorm "
                         "normfold checkpoint --to layernorm (the way "
                         "back); in memory when an option needs the model (--inputs, --text, "
-                        "--auto, --option, --dry-run, --dtype, --to un), for Pre-CRMSNorm checkpoints --to "
+                        "--auto, --option, --dry-run, --dtype, --to un, --rotate-attention), for Pre-CRMSNorm checkpoints --to "
                         "rmsnorm, and for sources streaming cannot read; "
                         "always = stream or exit 2 saying why; never = in memory (docs/large-checkpoints.md)")
     p.set_defaults(run=run)
@@ -240,6 +248,7 @@ def _run_in_memory(args) -> int:
                                 fp64_tol=args.fp64_tol, progress=progress, variant_options=options,
                                 pad=bool(args.pad), rotate=args.rotate, rotate_seed=args.rotate_seed,
                                 rotate_online=args.rotate_online,
+                                rotate_attention=getattr(args, "rotate_attention", None),
                                 untie=getattr(args, "untie", False),
                                 discard_original=True)  # not used again: verified in place (3x, not 5x)
     del model  # now a float64 copy of the conversion (2x the checkpoint): freed before saving

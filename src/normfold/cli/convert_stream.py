@@ -50,7 +50,8 @@ def blockers(args) -> list[str]:
         why.append(f"--to {args.to} (streaming converts --to {' or '.join(STREAMED_TARGETS)}, and a normfold "
                    f"checkpoint --to {' or '.join(REVERSE_TARGETS)})")
     for flag, on in (("--inputs", getattr(args, "inputs", None)), ("--text", args.text), ("--auto", args.auto),
-                     ("--option", args.option), ("--dry-run", args.dry_run)):
+                     ("--option", args.option), ("--dry-run", args.dry_run),
+                     ("--rotate-attention", getattr(args, "rotate_attention", None))):
         if on:
             why.append(f"{flag} needs the in-memory model")
     if args.dtype not in ("auto", None):

@@ -93,6 +93,9 @@ def _options(options, to, keep_affine, fold_final, allow_new_bias, pad, untie, r
         what = f"--to {options.to}" if options.to not in STREAMED_TARGETS else "--option"
         raise StreamUnsupportedError(f"streaming converts --to {' or '.join(STREAMED_TARGETS)} without --option; "
                                      f"{what} needs the in-memory conversion (--stream never, or normfold.convert)")
+    if options.rotate_attention is not None:
+        raise StreamUnsupportedError("--rotate-attention needs the in-memory conversion (--stream never, or "
+                                     "normfold.convert)")
     try:
         return options.check()  # the rules every conversion follows (ConvertOptions.check), the same messages
     except NormfoldError as exc:
