@@ -112,3 +112,14 @@ def test_measure_weights_carry_the_warm_up_and_min_time():
     w = measure_weights(5, 4, 0.1, 0.0, 2)
     assert w == pytest.approx([0.4 + 4 * 3 * 0.1] + [0.4] * 4)
     assert measure_weights(3, 2, 1e-4, 0.02, 2)[1] == pytest.approx(2 * 0.02)  # short calls: min_time a sample
+
+
+def test_results_go_to_suite_machine_date_by_default():
+    from normfold.bench.results import default_out, machine_tag
+
+    epyc = {"cpu": "AMD EPYC 9R14 96-Core Processor", "normfold_cpu_isa": "avx2"}
+    assert machine_tag(epyc) == "epyc-avx2"
+    assert machine_tag({"cpu": "Intel(R) Xeon(R) Platinum 8480+", "normfold_cpu_isa": "avx512", "gpu": "H100"}) \
+        == "xeon-avx512+gpu"
+    assert machine_tag({"cpu": "", "normfold_cpu_isa": None}) == "cpu-portable"
+    assert default_out("hf", epyc, "2026-12-07").as_posix() == "benchmarks/hf/epyc-avx2-2026-12-07"

@@ -7,6 +7,26 @@ import json
 from pathlib import Path
 
 
+def machine_tag(machine: dict) -> str:
+    """A short name for the machine in result folder names: the CPU family and normfold's kernel path
+    ("epyc-avx2", "xeon-avx512"), "+gpu" where a GPU was used."""
+    cpu = (machine.get("cpu") or "").lower()
+    family = next((f for f in ("epyc", "xeon", "ryzen", "core", "neoverse", "graviton", "apple") if f in cpu), None)
+    if family is None:
+        family = "".join(ch for ch in (cpu.split() or ["cpu"])[0] if ch.isalnum()) or "cpu"
+    tag = f"{family}-{machine.get('normfold_cpu_isa') or 'portable'}"
+    return tag + ("+gpu" if machine.get("gpu") else "")
+
+
+def default_out(suite: str, machine: dict, date: str | None = None) -> Path:
+    """Where a suite's results go unless --out says otherwise: benchmarks/<suite>/<machine>-<date>
+    (benchmarks/README.md)."""
+    import datetime
+
+    date = date or datetime.date.today().isoformat()
+    return Path("benchmarks") / suite / f"{machine_tag(machine)}-{date}"
+
+
 def write(rows: list[dict], name: str, out_dir: str | Path, machine: dict, columns: list[str],
           title: str, plot=None, extra: str | None = None) -> dict[str, Path]:
     """`extra`: more markdown (a summary table, notes) appended after the main table."""

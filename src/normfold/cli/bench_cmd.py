@@ -66,7 +66,8 @@ def add_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("suite", choices=list(SUITES), help="which suite")
     p.add_argument("model", nargs="?", metavar="MODEL", help="model for the 'model' and 'quant' suites (default: bundled)")
-    p.add_argument("--out", default="benchmarks", metavar="DIR", help="output directory (default: ./benchmarks)")
+    p.add_argument("--out", default=None, metavar="DIR", help="output directory (default: "
+                   "benchmarks/<suite>/<machine>-<date>, e.g. benchmarks/hf/epyc-avx2-2026-12-07)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and rounds (a smoke run)")
     p.add_argument("--rounds", type=int, help="timed rounds per candidate (default: 30 ops, 40 model)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -293,6 +294,12 @@ def run(args) -> int:
         call = f", called via {st['call']}" + (f" ({st['call_note']})" if st["call_note"] else "")
         print(f"normfold CPU kernel: {st['isa'] + ' path' + call if st['available'] else 'unavailable (' + str(st['error']) + ')'}"
               f" (this CPU: {st['cpu_isa']})", file=sys.stderr)
+    if args.out is None:
+        from ..bench.results import default_out
+        from ..bench.timing import machine_info
+
+        suite = args.suite + ("-engine" if getattr(args, "engine", None) else "")
+        args.out = str(default_out(suite, machine_info()))
     try:
         rows, paths = SUITES[args.suite](args)
     except BenchOptionError as exc:
