@@ -17,7 +17,7 @@ extras=${NORMFOLD_NEWEST_EXTRAS:-dev,realmodel,onnx}
 args=()
 if [ "${1:-}" = "--quick" ]; then
     shift
-    args=(tests/fastpath tests/analysis/test_analysis_families.py tests/adapters tests/test_fastpath.py)
+    args=(tests/fastpath tests/analysis/test_analysis_families.py tests/test_fastpath.py)
 fi
 [ "${1:-}" = "--" ] && shift
 args+=("$@")
