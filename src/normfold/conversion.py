@@ -74,12 +74,12 @@ def register_variant(variant: Variant) -> Variant:
 @dataclass(frozen=True)
 class ConvertedHandler:
     """Converts models that already carry normfold norms (the reverse conversions of paper 001 App. C):
-    `source_variant(model)` says what the model is ('layernorm' = no normfold norms), `convert(model, to,
-    ...)` does it. Registered by `normfold.compress` (which imports this module), so the layers depend one
+    `source_variant(model)` says what the model is ('layernorm' = no normfold norms), `reverse(model, to,
+    ...)` converts it. Registered by `normfold.compress` (which imports this module), so the layers depend one
     way: convert does not import the reverse conversions that call it."""
 
     source_variant: Callable[[nn.Module], str]
-    convert: Callable[..., tuple]
+    reverse: Callable[..., tuple]
 
 
 CONVERTED_HANDLER: dict[str, ConvertedHandler] = {}
@@ -261,8 +261,8 @@ def _center_rows_in_place(weight: torch.Tensor, out_dim: int) -> bool:
     CENTER_CHUNK_BYTES of float64: the values of one whole-tensor `algebra.center` (each row's mean is its own;
     no chunk of a single row, which torch would reduce in another order), without its float64 copies of the
     whole table (2.5x a float32 table at once: 1.6 GB for GPT-2-XL's). False: not such a writer."""
-    if weight.dim() < 2 or out_dim not in (-1, weight.dim() - 1) or not weight.is_contiguous() \
-            or weight.device.type == "meta":
+    if (weight.dim() < 2 or out_dim not in (-1, weight.dim() - 1) or not weight.is_contiguous()
+            or weight.device.type == "meta"):
         return False
     flat = weight.data.view(-1, weight.shape[-1])
     with torch.no_grad():
@@ -480,8 +480,8 @@ def _tied_tables(model: nn.Module, plan: ConversionPlan, options: ConvertOptions
             path, module, leaf = _module_and_leaf(model, name)
             if leaf == "weight" and isinstance(module, nn.Embedding) and path not in edited and name not in edited:
                 tables.append(path)
-            elif leaf == "weight" and _is_plain_linear(module) and path not in edited and name not in edited \
-                    and path not in writers:
+            elif (leaf == "weight" and _is_plain_linear(module) and path not in edited and name not in edited
+                    and path not in writers):
                 heads.append(path)
             else:
                 ok = False
@@ -861,7 +861,7 @@ def convert_back(handler: ConvertedHandler, model: nn.Module, options: ConvertOp
             "this checkpoint's stream is rotated with explicit / online rotation ops (normfold.json "
             "structure.rotation), which the reverse conversions do not carry over; convert the original "
             "LayerNorm model instead")
-    out = handler.convert(model, options.to, variant_options=options.target_options(), **kw)
+    out = handler.reverse(model, options.to, variant_options=options.target_options(), **kw)
     from . import fastpath
 
     fastpath.refresh(out[0], fast)  # the norms and shapes changed: fast paths where they still fit
