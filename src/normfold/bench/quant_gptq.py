@@ -32,7 +32,7 @@ from ..errors import NormfoldError
 from ..quant import quantize_model
 from ..quant.calibrate import quantizable_linears
 from ..quant.gptq import DEFAULT_CLIP_GRID
-from .quant import fake_quant, heldout_batches, logits_of, outlier_gpt2, perplexity
+from .quant import heldout_batches, logits_of, outlier_gpt2, perplexity
 from .results import write
 from .timing import machine_info
 
