@@ -2,6 +2,7 @@
 converted candidates really went through convert → save → load and compute the original function."""
 
 import csv
+import math
 
 import pytest
 import torch
@@ -28,7 +29,9 @@ def test_hf_suite_runs_and_writes_its_tables(tmp_path):
             assert r[f"{v}/orig_q25"] <= r[f"{v}/orig"] <= r[f"{v}/orig_q75"] and r[f"{v}/orig"] > 0
             assert r[f"{v}_vs_orig"] in ("faster", "same", "slower")
         assert r["crms/rms"] > 0 and r["rounds"] == 2
-        assert 0 < r["ln_norm_share"] < 1 and r["norm rms/ln"] > 0
+        # two separate timings (the norms' time, the forward's) at 2 rounds: on a loaded machine their ratio
+        # can pass 1, so only its presence is checked here (speed is for `normfold bench`, not for tests)
+        assert math.isfinite(r["ln_norm_share"]) and r["ln_norm_share"] > 0 and r["norm rms/ln"] > 0
     md = paths["md"].read_text()
     assert "Mean over settings" in md and "gap captured (RMS)" in md and "A/A flagged" in md and "Machine:" in md
     assert len(list(csv.DictReader(open(paths["csv"])))) == 4
