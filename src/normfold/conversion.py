@@ -25,7 +25,7 @@ from .adapters import Adapter, ConversionPlan, NormSite
 from .adapters.base import get, parent_and_leaf
 from .errors import NonFiniteWeightsError, UnsupportedConversionError
 from .options import ConvertOptions, resolve as resolve_options
-from .modelinfo import working_dtype  # noqa: F401  (re-exported: normfold.conversion.working_dtype)
+from .modelinfo import working_dtype
 from .nn import RMSNorm
 from .nn.hooks import add_input_recenter, add_output_recenter
 from .report import TIE_NOTE, ConversionReport, NormRecord, Structure
@@ -471,13 +471,15 @@ def _tied_tables(model: nn.Module, plan: ConversionPlan, options: ConvertOptions
     by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(name)
+    modules = dict(model.named_modules(remove_duplicate=False))  # every path a parameter name above starts with
     out: list[str] = []
     for names in by_id.values():
         if len(names) < 2:
             continue
         tables, heads, ok = [], [], True
         for name in names:
-            path, module, leaf = _module_and_leaf(model, name)
+            path, _, leaf = name.rpartition(".")
+            module = modules[path]
             if leaf == "weight" and isinstance(module, nn.Embedding) and path not in edited and name not in edited:
                 tables.append(path)
             elif (leaf == "weight" and _is_plain_linear(module) and path not in edited and name not in edited
@@ -727,10 +729,11 @@ def _dropout_warning(model: nn.Module) -> str | None:
             "residual branch breaks the zero-mean stream, so its training forward is not equivalent.")
 
 
-def kept_norms(model: nn.Module, plan: ConversionPlan, converted: set[str]) -> list[dict]:
+def kept_norms(layernorms: list[str], plan: ConversionPlan, converted: set[str]) -> list[dict]:
+    """The LayerNorms of the original (`layernorms`, `layernorm_names`) the conversion left as they are, with why."""
     reasons = {k.path: k.reason for k in plan.kept}
     kept = []
-    for name in layernorm_names(model):
+    for name in layernorms:
         if name in converted:
             continue
         kept.append({"name": name, "reason": reasons.get(
@@ -738,22 +741,24 @@ def kept_norms(model: nn.Module, plan: ConversionPlan, converted: set[str]) -> l
     return kept
 
 
-def new_report(model: nn.Module, adapter: Adapter, plan: ConversionPlan, options: ConvertOptions) -> ConversionReport:
-    """The report a conversion of `model` by `plan` starts from (both executors: `convert`, `stream_convert`)."""
-    return ConversionReport(variant=options.to, adapter=adapter.name, architecture=type(model).__name__,
-                            dtype=str(working_dtype(model)).replace("torch.", ""),
-                            layernorms_total=len(layernorm_names(model)),
+def new_report(architecture: str, dtype: torch.dtype, layernorms: list[str], adapter: Adapter, plan: ConversionPlan,
+               options: ConvertOptions) -> ConversionReport:
+    """The report a conversion by `plan` starts from (both executors: `convert`, `stream_convert`), of a model of
+    class `architecture` computing in `dtype` (`working_dtype`) with the LayerNorms `layernorms` (`layernorm_names`)."""
+    return ConversionReport(variant=options.to, adapter=adapter.name, architecture=architecture,
+                            dtype=str(dtype).replace("torch.", ""), layernorms_total=len(layernorms),
                             stock_reloadable=plan.stock_reloadable, notes=list(plan.notes),
                             centered_outputs=list(centered_outputs(plan)), options=options.to_record())
 
 
-def finish_report(report: ConversionReport, original: nn.Module, converted: nn.Module, plan: ConversionPlan,
-                  before: dict) -> None:
-    """What a report says once the variant has run: sizes before / after and the LayerNorms kept (both executors)."""
+def finish_report(report: ConversionReport, layernorms: list[str], converted: nn.Module, plan: ConversionPlan,
+                  before: tuple) -> None:
+    """What a report says once the variant has run (both executors): sizes before (`sizes.measure` of the
+    original) / after and which of the original's LayerNorms `layernorms` were kept."""
     from .sizes import size_report
 
     report.size = size_report(before, converted)
-    report.kept = kept_norms(original, plan, {r.name for r in report.structure.norms})
+    report.kept = kept_norms(layernorms, plan, {r.name for r in report.structure.norms})
 
 
 def not_verified(variant: Variant, dtype: str) -> dict:
@@ -894,11 +899,13 @@ def execute(model: nn.Module, adapter: Adapter, plan: ConversionPlan, variant: V
     from .sizes import measure
 
     warn = _dropout_warning(model)
-    report = new_report(model, adapter, plan, options)
+    layernorms = layernorm_names(model)
+    # what the report says of the original, read before any edit (`inplace` edits it)
+    before, dtype = measure(model), working_dtype(model)
+    report = new_report(type(model).__name__, dtype, layernorms, adapter, plan, options)
     if warn:
         report.warnings.append(warn)
     original = model
-    before = measure(model)
     if inplace and keep:
         original = copy.deepcopy(model)
     target = model if inplace else copy.deepcopy(model)
@@ -910,7 +917,7 @@ def execute(model: nn.Module, adapter: Adapter, plan: ConversionPlan, variant: V
 
         fastpath.apply(target)
     target.normfold_report = report  # what the reverse conversions (compress/reverse.py) read back
-    finish_report(report, original, target, plan, before)
+    finish_report(report, layernorms, target, plan, before)
     return target, original, report
 
 
