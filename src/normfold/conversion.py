@@ -55,6 +55,12 @@ class Variant:
     # final_norms(report, options) -> the final norms whose outputs are found by value (verify.FinalNorms), or None.
     output_map: Callable[[ConversionReport, ConversionPlan], Callable | None] | None = None
     final_norms: Callable[[ConversionReport, ConvertOptions], FinalNorms | None] | None = None
+    # The executor: None, the plan's (`convert_by_plan`: an adapter's plan, `apply`, report, verification). A
+    # target whose input is not a LayerNorm model brings its own, `executor(model, variant, options, **convert's
+    # keywords) -> (model, report)`, and `claims(model)` says which models it takes whatever `to` asks (the
+    # reverse conversions, registered by normfold.compress: every model that already carries normfold norms).
+    executor: Callable[..., tuple] | None = None
+    claims: Callable[[nn.Module], bool] | None = None
 
     def verified_final_norms(self, report: ConversionReport, options: ConvertOptions) -> FinalNorms | None:
         """The final norms verification finds by value: the variant's own answer, else (--fold-final) the folded ones."""
@@ -69,24 +75,6 @@ VARIANTS: dict[str, Variant] = {}
 def register_variant(variant: Variant) -> Variant:
     VARIANTS[variant.name] = variant
     return variant
-
-
-@dataclass(frozen=True)
-class ConvertedHandler:
-    """Converts models that already carry normfold norms (the reverse conversions of paper 001 App. C):
-    `source_variant(model)` says what the model is ('layernorm' = no normfold norms), `reverse(model, to,
-    ...)` converts it. Registered by `normfold.compress` (which imports this module), so the layers depend one
-    way: convert does not import the reverse conversions that call it."""
-
-    source_variant: Callable[[nn.Module], str]
-    reverse: Callable[..., tuple]
-
-
-CONVERTED_HANDLER: dict[str, ConvertedHandler] = {}
-
-
-def register_converted_handler(handler: ConvertedHandler) -> None:
-    CONVERTED_HANDLER["handler"] = handler
 
 
 @dataclass(frozen=True)
@@ -125,8 +113,9 @@ def rotating_variant(variant: Variant, rotate: str, seed: int, keep_affine: bool
                    final_norms=lambda report, options: FinalNorms.of(report.structure))
 
 
-def variant_for(options: ConvertOptions) -> Variant:
-    """The registered target `options` asks for (`options` checked: `ConvertOptions.check`), rotated if asked."""
+def variant_for(options: ConvertOptions, model: nn.Module | None = None) -> Variant:
+    """The registered target `options` asks for (`options` checked: `ConvertOptions.check`), rotated if asked; for
+    a `model` a registered target claims (`Variant.claims`: one that already carries normfold norms), that target."""
     variant = VARIANTS[options.to]
     if options.rotate is not None:
         variant = rotating_variant(variant, options.rotate, options.rotate_seed, options.keep_affine,
@@ -136,6 +125,8 @@ def variant_for(options: ConvertOptions) -> Variant:
         raise UnsupportedConversionError(
             f"--to {options.to} takes no options (got {', '.join(sorted(variant_options))}); "
             f"options exist for: {', '.join(n for n, v in VARIANTS.items() if v.takes_options) or 'none'}")
+    if model is not None:
+        variant = next((v for v in VARIANTS.values() if v.claims is not None and v.claims(model)), variant)
     return variant
 
 
@@ -820,11 +811,19 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
                                  allow_new_bias=allow_new_bias, pad=pad, variant_options=variant_options, untie=untie,
                                  rotate=rotate, rotate_seed=rotate_seed, rotate_online=rotate_online,
                                  rotate_attention=rotate_attention)
-    variant = variant_for(options)
-    handler = CONVERTED_HANDLER.get("handler")
-    if handler is not None and (options.to == "layernorm" or handler.source_variant(model) != "layernorm"):
-        return convert_back(handler, model, options, inplace=inplace, verify=verify, inputs=inputs,
-                            fp64_tol=fp64_tol, progress=progress, fast=fast)
+    variant = variant_for(options, model)
+    keywords = dict(adapter=adapter, inplace=inplace, verify=verify, inputs=inputs, fp64_tol=fp64_tol,
+                    progress=progress, auto=auto, fast=fast, discard_original=discard_original)
+    if variant.executor is not None:  # a target with its own executor (the reverse conversions: Variant.executor)
+        return variant.executor(model, variant, options, **keywords)
+    return convert_by_plan(model, variant, options, **keywords)
+
+
+def convert_by_plan(model: nn.Module, variant: Variant, options: ConvertOptions, *, adapter: Adapter | None,
+                    inplace: bool, verify: bool, inputs: dict | None, fp64_tol: float, progress: Progress | None,
+                    auto: bool, fast: bool, discard_original: bool) -> tuple[nn.Module, ConversionReport]:
+    """The executor of every target that applies an adapter's plan: plan -> execute -> report -> verify, each a
+    function below (keywords as `convert`)."""
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     adapter, plan, inputs = plan_conversion(model, options, adapter, auto=auto, inputs=inputs, say=say)
@@ -851,27 +850,6 @@ def conversion_options(options: ConvertOptions | None, **keywords) -> ConvertOpt
     if options.to not in VARIANTS:
         raise UnsupportedConversionError(f"unknown conversion target {options.to!r}; available: {', '.join(VARIANTS)}")
     return options.check()  # every rule on combinations; with rotate: fold_final and untie set
-
-
-def convert_back(handler: ConvertedHandler, model: nn.Module, options: ConvertOptions, *, fast: bool,
-                 **kw) -> tuple[nn.Module, ConversionReport]:
-    """A model that already carries normfold norms (or `to="layernorm"`): the registered reverse conversions
-    (paper 001 App. C)."""
-    if options.rotate is not None:
-        raise UnsupportedConversionError("--rotate converts LayerNorm models; this model already carries "
-                                         "normfold norms (convert the original model with --rotate)")
-    rotation = getattr(getattr(getattr(model, "normfold_report", None), "structure", None), "rotation", None)
-    if rotation and (rotation.get("explicit") or rotation.get("online")):
-        raise UnsupportedConversionError(
-            "this checkpoint's stream is rotated with explicit / online rotation ops (normfold.json "
-            "structure.rotation), which the reverse conversions do not carry over; convert the original "
-            "LayerNorm model instead")
-    out = handler.reverse(model, options.to, variant_options=options.target_options(), **kw)
-    from . import fastpath
-
-    fastpath.refresh(out[0], fast)  # the norms and shapes changed: fast paths where they still fit
-    out[1].options = options.to_record()
-    return out
 
 
 def plan_conversion(model: nn.Module, options: ConvertOptions, adapter: Adapter | None, *, auto: bool,
