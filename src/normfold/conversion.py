@@ -25,7 +25,7 @@ from .adapters import Adapter, ConversionPlan, NormSite
 from .adapters.base import get, parent_and_leaf
 from .errors import NonFiniteWeightsError, UnsupportedConversionError
 from .options import ConvertOptions, resolve as resolve_options
-from .modelinfo import working_dtype  # noqa: F401  (re-exported: normfold.conversion.working_dtype)
+from .modelinfo import working_dtype
 from .nn import RMSNorm
 from .nn.hooks import add_input_recenter, add_output_recenter
 from .report import TIE_NOTE, ConversionReport, NormRecord, Structure
@@ -55,6 +55,12 @@ class Variant:
     # final_norms(report, options) -> the final norms whose outputs are found by value (verify.FinalNorms), or None.
     output_map: Callable[[ConversionReport, ConversionPlan], Callable | None] | None = None
     final_norms: Callable[[ConversionReport, ConvertOptions], FinalNorms | None] | None = None
+    # The executor: None, the plan's (`convert_by_plan`: an adapter's plan, `apply`, report, verification). A
+    # target whose input is not a LayerNorm model brings its own, `executor(model, variant, options, **convert's
+    # keywords) -> (model, report)`, and `claims(model)` says which models it takes whatever `to` asks (the
+    # reverse conversions, registered by normfold.compress: every model that already carries normfold norms).
+    executor: Callable[..., tuple] | None = None
+    claims: Callable[[nn.Module], bool] | None = None
 
     def verified_final_norms(self, report: ConversionReport, options: ConvertOptions) -> FinalNorms | None:
         """The final norms verification finds by value: the variant's own answer, else (--fold-final) the folded ones."""
@@ -69,24 +75,6 @@ VARIANTS: dict[str, Variant] = {}
 def register_variant(variant: Variant) -> Variant:
     VARIANTS[variant.name] = variant
     return variant
-
-
-@dataclass(frozen=True)
-class ConvertedHandler:
-    """Converts models that already carry normfold norms (the reverse conversions of paper 001 App. C):
-    `source_variant(model)` says what the model is ('layernorm' = no normfold norms), `reverse(model, to,
-    ...)` converts it. Registered by `normfold.compress` (which imports this module), so the layers depend one
-    way: convert does not import the reverse conversions that call it."""
-
-    source_variant: Callable[[nn.Module], str]
-    reverse: Callable[..., tuple]
-
-
-CONVERTED_HANDLER: dict[str, ConvertedHandler] = {}
-
-
-def register_converted_handler(handler: ConvertedHandler) -> None:
-    CONVERTED_HANDLER["handler"] = handler
 
 
 @dataclass(frozen=True)
@@ -125,8 +113,9 @@ def rotating_variant(variant: Variant, rotate: str, seed: int, keep_affine: bool
                    final_norms=lambda report, options: FinalNorms.of(report.structure))
 
 
-def variant_for(options: ConvertOptions) -> Variant:
-    """The registered target `options` asks for (`options` checked: `ConvertOptions.check`), rotated if asked."""
+def variant_for(options: ConvertOptions, model: nn.Module | None = None) -> Variant:
+    """The registered target `options` asks for (`options` checked: `ConvertOptions.check`), rotated if asked; for
+    a `model` a registered target claims (`Variant.claims`: one that already carries normfold norms), that target."""
     variant = VARIANTS[options.to]
     if options.rotate is not None:
         variant = rotating_variant(variant, options.rotate, options.rotate_seed, options.keep_affine,
@@ -136,6 +125,8 @@ def variant_for(options: ConvertOptions) -> Variant:
         raise UnsupportedConversionError(
             f"--to {options.to} takes no options (got {', '.join(sorted(variant_options))}); "
             f"options exist for: {', '.join(n for n, v in VARIANTS.items() if v.takes_options) or 'none'}")
+    if model is not None:
+        variant = next((v for v in VARIANTS.values() if v.claims is not None and v.claims(model)), variant)
     return variant
 
 
@@ -471,13 +462,15 @@ def _tied_tables(model: nn.Module, plan: ConversionPlan, options: ConvertOptions
     by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(name)
+    modules = dict(model.named_modules(remove_duplicate=False))  # every path a parameter name above starts with
     out: list[str] = []
     for names in by_id.values():
         if len(names) < 2:
             continue
         tables, heads, ok = [], [], True
         for name in names:
-            path, module, leaf = _module_and_leaf(model, name)
+            path, _, leaf = name.rpartition(".")
+            module = modules[path]
             if leaf == "weight" and isinstance(module, nn.Embedding) and path not in edited and name not in edited:
                 tables.append(path)
             elif (leaf == "weight" and _is_plain_linear(module) and path not in edited and name not in edited
@@ -727,10 +720,11 @@ def _dropout_warning(model: nn.Module) -> str | None:
             "residual branch breaks the zero-mean stream, so its training forward is not equivalent.")
 
 
-def kept_norms(model: nn.Module, plan: ConversionPlan, converted: set[str]) -> list[dict]:
+def kept_norms(layernorms: list[str], plan: ConversionPlan, converted: set[str]) -> list[dict]:
+    """The LayerNorms of the original (`layernorms`, `layernorm_names`) the conversion left as they are, with why."""
     reasons = {k.path: k.reason for k in plan.kept}
     kept = []
-    for name in layernorm_names(model):
+    for name in layernorms:
         if name in converted:
             continue
         kept.append({"name": name, "reason": reasons.get(
@@ -738,22 +732,24 @@ def kept_norms(model: nn.Module, plan: ConversionPlan, converted: set[str]) -> l
     return kept
 
 
-def new_report(model: nn.Module, adapter: Adapter, plan: ConversionPlan, options: ConvertOptions) -> ConversionReport:
-    """The report a conversion of `model` by `plan` starts from (both executors: `convert`, `stream_convert`)."""
-    return ConversionReport(variant=options.to, adapter=adapter.name, architecture=type(model).__name__,
-                            dtype=str(working_dtype(model)).replace("torch.", ""),
-                            layernorms_total=len(layernorm_names(model)),
+def new_report(architecture: str, dtype: torch.dtype, layernorms: list[str], adapter: Adapter, plan: ConversionPlan,
+               options: ConvertOptions) -> ConversionReport:
+    """The report a conversion by `plan` starts from (both executors: `convert`, `stream_convert`), of a model of
+    class `architecture` computing in `dtype` (`working_dtype`) with the LayerNorms `layernorms` (`layernorm_names`)."""
+    return ConversionReport(variant=options.to, adapter=adapter.name, architecture=architecture,
+                            dtype=str(dtype).replace("torch.", ""), layernorms_total=len(layernorms),
                             stock_reloadable=plan.stock_reloadable, notes=list(plan.notes),
                             centered_outputs=list(centered_outputs(plan)), options=options.to_record())
 
 
-def finish_report(report: ConversionReport, original: nn.Module, converted: nn.Module, plan: ConversionPlan,
-                  before: dict) -> None:
-    """What a report says once the variant has run: sizes before / after and the LayerNorms kept (both executors)."""
+def finish_report(report: ConversionReport, layernorms: list[str], converted: nn.Module, plan: ConversionPlan,
+                  before: tuple) -> None:
+    """What a report says once the variant has run (both executors): sizes before (`sizes.measure` of the
+    original) / after and which of the original's LayerNorms `layernorms` were kept."""
     from .sizes import size_report
 
     report.size = size_report(before, converted)
-    report.kept = kept_norms(original, plan, {r.name for r in report.structure.norms})
+    report.kept = kept_norms(layernorms, plan, {r.name for r in report.structure.norms})
 
 
 def not_verified(variant: Variant, dtype: str) -> dict:
@@ -815,11 +811,19 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
                                  allow_new_bias=allow_new_bias, pad=pad, variant_options=variant_options, untie=untie,
                                  rotate=rotate, rotate_seed=rotate_seed, rotate_online=rotate_online,
                                  rotate_attention=rotate_attention)
-    variant = variant_for(options)
-    handler = CONVERTED_HANDLER.get("handler")
-    if handler is not None and (options.to == "layernorm" or handler.source_variant(model) != "layernorm"):
-        return convert_back(handler, model, options, inplace=inplace, verify=verify, inputs=inputs,
-                            fp64_tol=fp64_tol, progress=progress, fast=fast)
+    variant = variant_for(options, model)
+    keywords = dict(adapter=adapter, inplace=inplace, verify=verify, inputs=inputs, fp64_tol=fp64_tol,
+                    progress=progress, auto=auto, fast=fast, discard_original=discard_original)
+    if variant.executor is not None:  # a target with its own executor (the reverse conversions: Variant.executor)
+        return variant.executor(model, variant, options, **keywords)
+    return convert_by_plan(model, variant, options, **keywords)
+
+
+def convert_by_plan(model: nn.Module, variant: Variant, options: ConvertOptions, *, adapter: Adapter | None,
+                    inplace: bool, verify: bool, inputs: dict | None, fp64_tol: float, progress: Progress | None,
+                    auto: bool, fast: bool, discard_original: bool) -> tuple[nn.Module, ConversionReport]:
+    """The executor of every target that applies an adapter's plan: plan -> execute -> report -> verify, each a
+    function below (keywords as `convert`)."""
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     adapter, plan, inputs = plan_conversion(model, options, adapter, auto=auto, inputs=inputs, say=say)
@@ -848,27 +852,6 @@ def conversion_options(options: ConvertOptions | None, **keywords) -> ConvertOpt
     return options.check()  # every rule on combinations; with rotate: fold_final and untie set
 
 
-def convert_back(handler: ConvertedHandler, model: nn.Module, options: ConvertOptions, *, fast: bool,
-                 **kw) -> tuple[nn.Module, ConversionReport]:
-    """A model that already carries normfold norms (or `to="layernorm"`): the registered reverse conversions
-    (paper 001 App. C)."""
-    if options.rotate is not None:
-        raise UnsupportedConversionError("--rotate converts LayerNorm models; this model already carries "
-                                         "normfold norms (convert the original model with --rotate)")
-    rotation = getattr(getattr(getattr(model, "normfold_report", None), "structure", None), "rotation", None)
-    if rotation and (rotation.get("explicit") or rotation.get("online")):
-        raise UnsupportedConversionError(
-            "this checkpoint's stream is rotated with explicit / online rotation ops (normfold.json "
-            "structure.rotation), which the reverse conversions do not carry over; convert the original "
-            "LayerNorm model instead")
-    out = handler.reverse(model, options.to, variant_options=options.target_options(), **kw)
-    from . import fastpath
-
-    fastpath.refresh(out[0], fast)  # the norms and shapes changed: fast paths where they still fit
-    out[1].options = options.to_record()
-    return out
-
-
 def plan_conversion(model: nn.Module, options: ConvertOptions, adapter: Adapter | None, *, auto: bool,
                     inputs: dict | None, say: Progress) -> tuple[Adapter, ConversionPlan, dict | None]:
     """Step 2: the family's adapter (or the analysis' plan for a model without one, or with `auto`), its checks,
@@ -894,11 +877,13 @@ def execute(model: nn.Module, adapter: Adapter, plan: ConversionPlan, variant: V
     from .sizes import measure
 
     warn = _dropout_warning(model)
-    report = new_report(model, adapter, plan, options)
+    layernorms = layernorm_names(model)
+    # what the report says of the original, read before any edit (`inplace` edits it)
+    before, dtype = measure(model), working_dtype(model)
+    report = new_report(type(model).__name__, dtype, layernorms, adapter, plan, options)
     if warn:
         report.warnings.append(warn)
     original = model
-    before = measure(model)
     if inplace and keep:
         original = copy.deepcopy(model)
     target = model if inplace else copy.deepcopy(model)
@@ -910,7 +895,7 @@ def execute(model: nn.Module, adapter: Adapter, plan: ConversionPlan, variant: V
 
         fastpath.apply(target)
     target.normfold_report = report  # what the reverse conversions (compress/reverse.py) read back
-    finish_report(report, original, target, plan, before)
+    finish_report(report, layernorms, target, plan, before)
     return target, original, report
 
 

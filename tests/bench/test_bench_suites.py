@@ -5,7 +5,7 @@ import csv
 import pytest
 import torch
 
-from normfold.bench import convert as bconvert, e2e, e2e_models as em
+from normfold.bench import convert_cost as bconvert, e2e, e2e_models as em
 from normfold.cli import main
 from normfold.ops import triton_kernels as tk
 

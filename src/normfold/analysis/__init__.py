@@ -50,30 +50,46 @@ def analyze(model: nn.Module, inputs=None, *, center_embeddings: bool = True, re
     tracer: "auto" (torch.export, then torch.fx for non-HF modules), "export" or "fx".
     graph: a trace of `model(**inputs)` from `normfold.analysis.trace` to reuse (several option sets).
     """
+    if _has_layernorm_like(model):  # inputs are made only for a model with something to analyse
+        inputs = example_inputs(model) if inputs is None else as_kwargs(model, inputs)
+        inputs = cast_inputs(inputs, working_dtype(model))  # floating inputs in the model's dtype, as verify runs it
+    return analyze_inputs(model, inputs, center_embeddings=center_embeddings, recenter=recenter,
+                          structural=structural, recentred_outputs=recentred_outputs, tracer=tracer, graph=graph,
+                          progress=progress)
+
+
+def analyze_inputs(model: nn.Module, inputs: dict, *, center_embeddings: bool = True, recenter: bool = False,
+                   structural: bool = False, recentred_outputs: tuple[str, ...] = (), tracer: str = "auto",
+                   graph: Graph | None = None,
+                   progress: Callable[[str], None] | None = None) -> AnalysisReport:
+    """`analyze` on `inputs` that are already the forward keyword arguments to trace with, floating inputs in
+    the model's dtype (`trace.run_kwargs`, `trace.example_inputs`): the one traversal of `model` the analysis
+    makes (trace, propagation, report). Options as `analyze`."""
     say = progress or (lambda msg: None)
     opts = Options(center_embeddings=center_embeddings, recenter=recenter, structural=structural,
                    recentred_outputs=tuple(recentred_outputs))
     t0 = time.perf_counter()
-    if not _has_layernorm_like(model):
-        report = build_report(Propagation.empty(model, opts), model, [])
+    traced = _has_layernorm_like(model)  # nothing to trace in a model without LayerNorms: an empty report
+    if traced:
+        if graph is None:
+            say(f"tracing {type(model).__name__}")
+            graph = trace(model, inputs, tracer)
+        t1 = time.perf_counter()
+        say(f"propagating zero mean through {len(graph.nodes)} nodes")
+        if graph.output_names is None:
+            graph.output_names = output_names(graph)
+        prop = Propagation(graph, model, opts).run()
+    else:
+        prop = Propagation.empty(model, opts)
+    report = build_report(prop, model, graph.output_names if traced else [])
+    if not traced:
         report.seconds["analyze"] = round(time.perf_counter() - t0, 3)
         return report
-    inputs = example_inputs(model) if inputs is None else as_kwargs(model, inputs)
-    inputs = cast_inputs(inputs, working_dtype(model))  # floating inputs in the model's dtype, as verify runs it
-    if graph is None:
-        say(f"tracing {type(model).__name__}")
-        graph = trace(model, inputs, tracer)
-    t1 = time.perf_counter()
-    say(f"propagating zero mean through {len(graph.nodes)} nodes")
-    if graph.output_names is None:
-        graph.output_names = output_names(graph)
-    prop = Propagation(graph, model, opts).run()
-    report = build_report(prop, model, graph.output_names)
     report.inputs = inputs
     report.graph = graph  # reusable for another option set (not serialized)
     report.seconds.update(trace=round(t1 - t0, 3), analyze=round(time.perf_counter() - t1, 3))
     return report
 
 
-__all__ = ["analyze", "AnalysisReport", "NormReport", "WriterReport", "Graph", "RULES", "register_rule", "trace",
-           "example_inputs"]
+__all__ = ["analyze", "analyze_inputs", "AnalysisReport", "NormReport", "WriterReport", "Graph", "RULES",
+           "register_rule", "trace", "example_inputs"]

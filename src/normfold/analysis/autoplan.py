@@ -22,6 +22,7 @@ from torch import nn
 
 from ..adapters import Adapter, find_adapter
 from ..errors import NormfoldError, UnsupportedModelError
+from ..modelinfo import working_dtype
 
 
 def modality_inputs(model: nn.Module, seed: int = 0) -> dict:
@@ -63,24 +64,22 @@ def derive_adapter(model: nn.Module, inputs: dict | None = None, *, seed: int = 
                    progress: Callable[[str], None] | None = None, **analyze_options):
     """(Adapter, AnalysisReport): the plan `normfold.analyze` derives for `model`, traced on `inputs`
     (default: `modality_inputs`). Raises UnsupportedModelError when no LayerNorm can be converted."""
-    from . import analyze
-    from .trace import as_kwargs
+    from . import analyze_inputs
+    from .trace import run_kwargs
 
     say = progress or (lambda msg: None)
     if inputs is None:
         inputs = modality_inputs(model, seed)
-    inputs = as_kwargs(model, inputs)
-    # As normfold.verify runs the model (hidden states are outputs too); example_inputs adds these.
-    extra = {k: v for k, v in _verify_flags(model).items() if k not in inputs}
+    # traced as normfold.verify runs the model: floats in its dtype, hidden states (outputs too), no cache
+    inputs = run_kwargs(model, inputs, working_dtype(model))
     say(f"no adapter for {type(model).__name__}: deriving the plan from the analysis")
-    inputs = {**inputs, **extra}
-    report = analyze(model, inputs, progress=say, **analyze_options)
+    report = analyze_inputs(model, inputs, progress=say, **analyze_options)
     if "recenter" not in analyze_options and len(report.foldable) < report.total:
         # An explicit Recenter after a module whose output joins the stream (BLOOM's embedding norm) may
         # fold more norms; worth it only then, since it costs one centring per call (the checkpoint stays
         # stock-reloadable: stock LayerNorms re-centre what the Recenter would have).
         graph = getattr(report, "graph", None)
-        alt = analyze(model, inputs, recenter=True, graph=graph, **analyze_options)
+        alt = analyze_inputs(model, inputs, recenter=True, graph=graph, **analyze_options)
         if len([n for n in alt.foldable if n.module]) > len([n for n in report.foldable if n.module]):
             report = alt
     modules = [n for n in report.norms if n.module]
@@ -91,18 +90,6 @@ def derive_adapter(model: nn.Module, inputs: dict | None = None, *, seed: int = 
             f"foldable: {why}). See `normfold analyze MODEL` for every reason.")
     adapter = report.to_adapter()
     return replace(adapter, display_name=f"derived from the analysis of {report.architecture}"), report
-
-
-def _verify_flags(model: nn.Module) -> dict:
-    from .trace import forward_params
-    from ..forward import accepts
-
-    flags = {}
-    if "use_cache" in forward_params(model):
-        flags["use_cache"] = False
-    if accepts(model, "output_hidden_states"):
-        flags["output_hidden_states"] = True
-    return flags
 
 
 def resolve(model: nn.Module, *, auto: bool = False, inputs: dict | None = None, seed: int = 0,

@@ -94,16 +94,23 @@ def example_inputs(model: nn.Module, seed: int = 0) -> dict:
     """Inputs to trace with: `normfold.adapters.example_inputs` (the adapter's own when normfold has one,
     else built from the HF config), run as normfold.verify runs the model."""
     from ..modelinfo import working_dtype
+
+    # an adapter's float inputs may be float32
+    return run_kwargs(model, adapter_examples(model, torch.Generator().manual_seed(seed)), working_dtype(model))
+
+
+def run_kwargs(model: nn.Module, inputs, dtype: torch.dtype) -> dict:
+    """`inputs` (see `as_kwargs`) as the forward keyword arguments normfold.verify runs the model with: floating
+    inputs in `dtype` (the model's `working_dtype`), hidden states asked for (a final norm's output is one of
+    them) and no cache, unless `inputs` says otherwise."""
     from ..forward import accepts, cast_inputs
 
-    inputs = adapter_examples(model, torch.Generator().manual_seed(seed))
-    inputs = cast_inputs(inputs, working_dtype(model))  # an adapter's float inputs may be float32
-    # As normfold.verify runs the model: hidden states are outputs too (a final norm's output is one).
+    kwargs = as_kwargs(model, inputs)
     if "use_cache" in forward_params(model):
-        inputs.setdefault("use_cache", False)
+        kwargs.setdefault("use_cache", False)
     if accepts(model, "output_hidden_states"):
-        inputs.setdefault("output_hidden_states", True)
-    return inputs
+        kwargs.setdefault("output_hidden_states", True)
+    return cast_inputs(kwargs, dtype)
 
 
 def as_kwargs(model: nn.Module, inputs) -> dict:

@@ -178,9 +178,9 @@ def _hf(args):
 
 
 def _convert(args):
-    from ..bench import convert
+    from ..bench import convert_cost
 
-    return convert.run(args.out, quick=args.quick, rounds=args.rounds, progress=not args.quiet)
+    return convert_cost.run(args.out, quick=args.quick, rounds=args.rounds, progress=not args.quiet)
 
 
 def _un(args):

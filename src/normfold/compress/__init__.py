@@ -8,13 +8,12 @@
 
 from __future__ import annotations
 
-from ..conversion import ConvertedHandler, Variant, register_converted_handler, register_variant
+from ..conversion import Variant, register_variant
 from ..io import register_structure_part
 from .crmsnorm import apply_crmsnorm, compress, keep_ties_compressed
-from .reverse import convert_converted, decompress, source_variant, to_layernorm
+from .reverse import carries_normfold_norms, decompress, run_reverse, to_layernorm
 from .runtime import StreamCRMSNorm, TiedCompressedHead, apply_compression, decompress_last
 
-register_converted_handler(ConvertedHandler(source_variant, convert_converted))
 register_structure_part("compression", apply_compression)  # normfold.load rebuilds the d-1 stream
 register_variant(Variant(
     "crmsnorm", "Pre-LN -> Pre-CRMSNorm: zero-mean stream compressed to d-1 coordinates, LayerNorm -> CRMSNorm "
@@ -23,14 +22,16 @@ register_variant(Variant(
 
 
 
-def _only_from_converted(model, plan, options, report) -> None:  # pragma: no cover - convert() dispatches first
+def _only_from_converted(model, plan, options, report) -> None:  # pragma: no cover - run_reverse executes it
     from ..errors import UnsupportedConversionError
 
     raise UnsupportedConversionError("--to layernorm converts normfold Pre-RMSNorm / Pre-CRMSNorm models back")
 
 
+# The reverse conversions (paper 001 App. C): `--to layernorm`, and every target for a model that already carries
+# normfold norms, run by their own executor (Variant.executor) rather than by an adapter's plan.
 register_variant(Variant(
     "layernorm", "Pre-RMSNorm / Pre-CRMSNorm -> Pre-LN (paper 001 App. C; the stock architecture again)",
-    _only_from_converted))
+    _only_from_converted, executor=run_reverse, claims=carries_normfold_norms))
 
 __all__ = ["apply_crmsnorm", "compress", "decompress", "to_layernorm", "TiedCompressedHead", "StreamCRMSNorm", "apply_compression", "decompress_last"]

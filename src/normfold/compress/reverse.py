@@ -48,6 +48,12 @@ def source_variant(model: nn.Module) -> str:
     return "layernorm"
 
 
+def carries_normfold_norms(model: nn.Module) -> bool:
+    """Whether `model` is a normfold model (Pre-RMSNorm or Pre-CRMSNorm): the models the reverse conversions claim
+    (`Variant.claims`), whatever `to` asks."""
+    return source_variant(model) != "layernorm"
+
+
 def _structure(model: nn.Module) -> Structure:
     report = getattr(model, "normfold_report", None)
     if report is None:
@@ -373,3 +379,26 @@ def convert_converted(model: nn.Module, to: str, *, inplace: bool = False, verif
             report.verification["fp64"]["input_rounding"] = rounding
         report.seconds["verify"] = round(time.perf_counter() - t1, 3)
     return target, report
+
+
+def run_reverse(model: nn.Module, variant, options, *, inplace: bool, verify: bool, inputs: dict | None,
+                fp64_tol: float, progress, fast: bool, **_plan_keywords) -> tuple[nn.Module, ConversionReport]:
+    """The executor of the reverse conversions (`Variant.executor` of `--to layernorm`, and of any target for a model
+    that already carries normfold norms): `convert_converted` to `options.to`, the fast paths refreshed, the
+    options recorded. The keywords only a plan takes (`adapter`, `auto`, `discard_original`) do not apply."""
+    if options.rotate is not None:
+        raise UnsupportedConversionError("--rotate converts LayerNorm models; this model already carries "
+                                         "normfold norms (convert the original model with --rotate)")
+    rotation = getattr(getattr(getattr(model, "normfold_report", None), "structure", None), "rotation", None)
+    if rotation and (rotation.get("explicit") or rotation.get("online")):
+        raise UnsupportedConversionError(
+            "this checkpoint's stream is rotated with explicit / online rotation ops (normfold.json "
+            "structure.rotation), which the reverse conversions do not carry over; convert the original "
+            "LayerNorm model instead")
+    out = convert_converted(model, options.to, variant_options=options.target_options(), inplace=inplace,
+                            verify=verify, inputs=inputs, fp64_tol=fp64_tol, progress=progress)
+    from .. import fastpath
+
+    fastpath.refresh(out[0], fast)  # the norms and shapes changed: fast paths where they still fit
+    out[1].options = options.to_record()
+    return out

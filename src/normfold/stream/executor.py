@@ -50,9 +50,10 @@ from torch import nn
 
 from .. import checkpoint
 from ..adapters import find_adapter
-from ..conversion import VARIANTS, edited_params, finish_report, new_report, recentre_tied_tables
+from ..conversion import VARIANTS, edited_params, finish_report, layernorm_names, new_report, recentre_tied_tables
 from ..conversion import untie as untie_params
 from ..errors import NormfoldError
+from ..modelinfo import working_dtype
 from ..options import ConvertOptions, resolve as resolve_options
 from ..report import ConversionReport
 from .compute import CHUNK_BYTES, Computer, row_chunks  # noqa: F401 (re-exported)
@@ -186,7 +187,9 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     from ..sizes import measure
 
     structure_model = copy.deepcopy(original)
-    report = new_report(original, adapter, plan, options)  # as normfold.convert starts it
+    layernorms = layernorm_names(original)
+    report = new_report(type(original).__name__, working_dtype(original), layernorms, adapter, plan,
+                        options)  # as normfold.convert starts it
     before = measure(original)
     rotating = options.rotate is not None
     if rotating:
@@ -196,7 +199,7 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     values = checkpoint_values(structure_model, plan, names, source, options)
     variant.apply(structure_model, dataclasses.replace(plan, values=values), options, report)
     structure_model.eval()
-    finish_report(report, original, structure_model, plan, before)
+    finish_report(report, layernorms, structure_model, plan, before)
     report.source = {"model": str(source_dir), "architecture": type(original).__name__,
                      "model_type": getattr(original.config, "model_type", None), "path": str(source_dir)}
     report.notes.append("converted shard by shard from the safetensors files (normfold.stream)")
