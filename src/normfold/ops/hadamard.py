@@ -108,10 +108,12 @@ def _compiling() -> bool:
         return False
 
 
-def fwht_fast(x: Tensor, core: Tensor | None = None) -> Tensor:
+def fwht_fast(x: Tensor, core: Tensor | None = None, *, out: Tensor | None = None) -> Tensor:
     """`fwht` with normfold's C kernel (`nf_fwht_f32`) for eager CPU float32 inference; `fwht` (plain
-    aten) otherwise, or when the kernel library is unavailable. Same butterflies in the same order; the
-    Paley core's m×m sum may round differently from aten's matmul."""
+    aten) otherwise, or when the kernel library is unavailable. Same butterflies, core sums and scaling in
+    the same order, so the result is bit-identical to `fwht`. The kernel reads `x` and writes a new tensor
+    (one pass, no copy first), or `out` when given (a contiguous float32 tensor of x's shape; `out=x`
+    transforms x in place); it splits rows over torch.get_num_threads() threads for large inputs."""
     if not _plain(x):
         return fwht(x, core)
     from .cpu import library
@@ -124,11 +126,18 @@ def fwht_fast(x: Tensor, core: Tensor | None = None) -> Tensor:
     p = n // m
     if m * p != n or p & (p - 1):
         raise ValueError(f"fwht: width {n} is not {m}·2^k")
-    y = x.contiguous().clone()
-    c = None if core is None else core.to(torch.float32).contiguous()
-    rc = lib.nf_fwht_f32(y.data_ptr(), y.numel() // n if n else 0, m, p, None if c is None else c.data_ptr(),
-                         1.0 / math.sqrt(n))
+    src = x.contiguous()
+    if out is None:
+        y = torch.empty_like(src)
+    else:
+        if out.shape != x.shape or out.dtype != torch.float32 or not out.is_contiguous() or out.device != x.device:
+            raise ValueError("fwht_fast: out must be a contiguous CPU float32 tensor of x's shape")
+        y = out
+    c = None
+    if core is not None:
+        c = core if core.dtype == torch.float32 and core.is_contiguous() else core.to(torch.float32).contiguous()
+    rc = lib.nf_fwht_f32(src.data_ptr(), y.data_ptr(), src.numel() // n if n else 0, m, p,
+                         None if c is None else c.data_ptr(), 1.0 / math.sqrt(n), torch.get_num_threads())
     if rc != 0:
-        return fwht(x, core)
+        return fwht(x, core) if out is None else out.copy_(fwht(x, core))
     return y
-
