@@ -109,18 +109,24 @@ def _compiling() -> bool:
 
 
 def fwht_fast(x: Tensor, core: Tensor | None = None, *, out: Tensor | None = None) -> Tensor:
-    """`fwht` with normfold's C kernel (`nf_fwht_f32`) for eager CPU float32 inference; `fwht` (plain
-    aten) otherwise, or when the kernel library is unavailable. Same butterflies, core sums and scaling in
+    """`fwht` with normfold's C kernel (`nf_fwht_f32`) for eager CPU float32 inference, its Triton kernel
+    (`normfold.ops.triton_hadamard`) for eager CUDA float32 inference; `fwht` (plain aten) otherwise, or
+    when the kernel is unavailable. Same butterflies, core sums and scaling in
     the same order, so the result is bit-identical to `fwht`. The kernel reads `x` and writes a new tensor
     (one pass, no copy first), or `out` when given (a contiguous float32 tensor of x's shape; `out=x`
     transforms x in place); it splits rows over torch.get_num_threads() threads for large inputs."""
+    if x.is_cuda and type(x) is Tensor and not _compiling():
+        from . import triton_hadamard
+
+        if triton_hadamard.supports(x, 1 if core is None else core.shape[0]):
+            return triton_hadamard.fwht(x, core, out=out)
     if not _plain(x):
-        return fwht(x, core)
+        return fwht(x, core) if out is None else out.copy_(fwht(x, core))
     from .cpu import library
 
     lib = library()
     if lib is None or not hasattr(lib, "nf_fwht_f32"):
-        return fwht(x, core)
+        return fwht(x, core) if out is None else out.copy_(fwht(x, core))
     n = x.shape[-1]
     m = 1 if core is None else core.shape[0]
     p = n // m
