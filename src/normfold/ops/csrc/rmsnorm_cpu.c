@@ -293,7 +293,8 @@ int nf_backward(int dtype, const void *dy, const void *ds, const void *x, int64_
  * h set compute -b + a, equal to a - b), the stages h = 8 .. 32 run on 8 vectors held in registers and
  * the larger ones as passes over the row, into a row of scratch when a core follows; the core sums then
  * go from the scratch to y, 8 vectors of an output chunk at a time (8 independent accumulators). Widths with p < 8 take a
- * scalar loop. Rows are split over `nthreads` OpenMP threads (when built with OpenMP) for large inputs.
+ * scalar loop. Rows are split over up to `nthreads` OpenMP threads (when built with OpenMP), at least
+ * NF_GRAIN elements each, like the norms.
  * Returns 0, or -1 on a bad argument. */
 typedef float nf_v8 __attribute__((vector_size(32)));
 typedef int32_t nf_i8 __attribute__((vector_size(32)));
@@ -438,8 +439,7 @@ int nf_fwht_f32(const float *x, float *y, int64_t rows, int64_t m, int64_t p, co
     if (!x || !y || rows < 0 || m < 1 || p < 1 || (p & (p - 1))) return -1;
     const float *c = core && m > 1 ? core : NULL;
     const int64_t n = m * p;
-    int nth = nthreads > 1 && rows > 1 && rows * n >= 65536 ? nthreads : 1;
-    if (nth > rows) nth = (int)rows;
+    const int nth = nf_threads_for(nthreads, rows, n, NF_F32);  /* the norms' grain: 8192 elements a thread */
     if (nth == 1) {
         nf_fwht_rows(x, y, 0, rows, m, p, c, scale);
         return 0;
