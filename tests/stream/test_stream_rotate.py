@@ -476,25 +476,28 @@ def test_rotate_attention_vo_does_not_stream(tmp_path, attention):
     assert not any((tmp_path / "out").iterdir())
 
 
-def test_cli_streams_rotate_attention_online_verified(tmp_path, capsys):
-    """`--stream always --rotate-attention online`: streamed, verified block by block (the online ops replayed),
-    the in-memory bytes; `vo` still exits 2 with nothing written."""
-    from normfold.cli import main
-
-    src = _source(tmp_path, "gpt2", "GPT2LMHeadModel")
-    code = main(["convert", str(src), "--rotate", "hadamard", "--rotate-attention", "online", "--stream", "always",
-                 "--out", str(tmp_path / "st"), "-q"])
-    assert code == 0, capsys.readouterr().err
-    code = main(["convert", str(src), "--rotate", "hadamard", "--rotate-attention", "online", "--stream", "never",
-                 "--out", str(tmp_path / "mem"), "-q"])
-    assert code == 0, capsys.readouterr().err
-    a, b = tensors_bytes(tmp_path / "mem"), tensors_bytes(tmp_path / "st")
-    assert sorted(a) == sorted(b) and [k for k in a if a[k] != b[k]] == []
+@pytest.mark.parametrize("verify_in_memory", [True, False])
+def test_cli_streams_rotate_attention_online_verified(tmp_path, capsys, monkeypatch, verify_in_memory):
+    """`--stream always --rotate-attention online`: streamed, verified in memory or block by block (the online ops
+    replayed), passing; the in-memory bytes; `vo` still exits 2 with nothing written."""
     import json
 
-    rep = json.loads((tmp_path / "st" / "normfold.json").read_text())
-    assert rep["verification"]["passed"] and rep["structure"]["rotation"]["online"]
-    capsys.readouterr()
+    from normfold.cli import convert_stream as stream_cli
+    from normfold.cli import main
+
+    if not verify_in_memory:
+        monkeypatch.setattr(stream_cli, "VERIFY_IN_MEMORY_BYTES", 0)
+    src = _source(tmp_path, "gpt2", "GPT2LMHeadModel")
+    for mode in ("always", "never"):
+        assert main(["convert", str(src), "--rotate", "hadamard", "--rotate-attention", "online", "--stream", mode,
+                     "--out", str(tmp_path / mode), "-q", "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        v = report["verification"]
+        assert v["passed"] is True and v["fp64"]["passed"] is True
+        assert ("blockwise" in v) == (mode == "always" and not verify_in_memory)
+        assert report["structure"]["rotation"]["online"]
+    a, b = tensors_bytes(tmp_path / "never"), tensors_bytes(tmp_path / "always")
+    assert sorted(a) == sorted(b) and [k for k in a if a[k] != b[k]] == []
     code = main(["convert", str(src), "--rotate", "hadamard", "--rotate-attention", "vo", "--stream", "always",
                  "--out", str(tmp_path / "vo"), "-q"])
     err = capsys.readouterr().err
