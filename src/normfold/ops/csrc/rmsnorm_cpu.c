@@ -330,9 +330,9 @@ static inline __attribute__((always_inline)) void nf_fwht_group(const float *src
         for (int i = 0; i < G; i += 2 * d)
 #pragma GCC unroll 8
             for (int k = i; k < i + d; k++) {
-                const nf_v8 a = r[k], b = r[k + d];
+                const nf_v8 a = r[k], b = r[(k + d) & 7];  /* k + d < G <= 8; the mask only quiets -Warray-bounds */
                 r[k] = a + b;
-                r[k + d] = a - b;
+                r[(k + d) & 7] = a - b;
             }
     if (last)
 #pragma GCC unroll 8
