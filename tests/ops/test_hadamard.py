@@ -74,3 +74,48 @@ def test_fwht_fast_falls_back_to_aten_for_autograd_and_other_dtypes():
     assert x.grad is not None
     xd = torch.randn(4, 64, dtype=torch.float64)
     assert torch.equal(fwht_fast(xd), fwht(xd))
+
+
+@pytest.mark.parametrize("n", [4, 12, 16, 20, 24, 32, 40, 48, 96, 128, 384, 512, 4096, 5120])
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_fwht_fast_bit_for_bit_over_the_kernel_paths(n, rows):
+    """Every code path of nf_fwht_f32: p < 8 (scalar), one to eight vectors per chunk (registers only),
+    more (passes over the row), with and without a Paley core; against the aten fwht bit for bit."""
+    from normfold.ops import cpu
+    from normfold.ops.hadamard import fwht_fast
+
+    if cpu.library() is None:
+        pytest.skip("normfold CPU kernel unavailable")
+    f = hadamard_factor(n)
+    core = None if f[0] == 1 else hadamard_core(f[0]).float()
+    x = torch.randn(rows, n, generator=torch.Generator().manual_seed(rows * n)) * 3
+    want = fwht(x, core)
+    assert torch.equal(fwht_fast(x, core), want)
+    want64 = x.double() @ (hadamard_matrix(n) / n ** 0.5)
+    assert (want.double() - want64).abs().max() <= 1e-5 * want64.abs().max()
+
+
+def test_fwht_fast_out_in_place_threads_and_strided_input():
+    from normfold.ops import cpu
+    from normfold.ops.hadamard import fwht_fast
+
+    if cpu.library() is None:
+        pytest.skip("normfold CPU kernel unavailable")
+    core = hadamard_core(12).float()
+    x = torch.randn(300, 768, generator=torch.Generator().manual_seed(1))
+    want = fwht(x, core)
+    out = torch.empty_like(x)
+    assert fwht_fast(x, core, out=out) is out and torch.equal(out, want)
+    y = x.clone()
+    fwht_fast(y, core, out=y)  # in place
+    assert torch.equal(y, want)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # rows split over OpenMP threads (when the library has OpenMP)
+        assert torch.equal(fwht_fast(x, core), want)
+    finally:
+        torch.set_num_threads(saved)
+    xt = torch.randn(768, 40, generator=torch.Generator().manual_seed(2)).t()  # not contiguous
+    assert torch.equal(fwht_fast(xt, core), fwht(xt, core))
+    with pytest.raises(ValueError):
+        fwht_fast(x, core, out=torch.empty(3, 768))

@@ -436,3 +436,69 @@ def test_a_wrong_stem_fails_before_the_first_block(tmp_path):
     assert not bad["passed"] and bad["blockwise"]["failed_blocks"] == []
     (emb,) = bad["fp64"]["embeddings"]
     assert emb["name"] == "stream into transformer.h.0" and not emb["passed"]
+
+
+# ---- --rotate-attention online: the Hadamard before each attention output projection ----------------------------
+
+def _both_attention(tmp_path, family, head, online, attention="online"):
+    src = _source(tmp_path, family, head)
+    model, _ = normfold.io.load_source(src)
+    conv, mem_report = normfold.convert(model, verify=False, rotate="hadamard", rotate_seed=2, rotate_online=online,
+                                        rotate_attention=attention)
+    normfold.save(conv, mem_report, tmp_path / "mem", source_dir=src)
+    (tmp_path / "st").mkdir()
+    opts = normfold.ConvertOptions(rotate="hadamard", rotate_seed=2, rotate_online=online,
+                                   rotate_attention=attention)
+    report = stream_convert(src, tmp_path / "st", options=opts)
+    return src, mem_report, report
+
+
+@pytest.mark.parametrize("online", [False, True])
+@pytest.mark.parametrize("family,head", FAMILIES)
+def test_rotate_attention_online_streams_equal_to_in_memory(tmp_path, family, head, online):
+    """Each attention output projection, rotated by Q along its output axis, is multiplied by H/√d along its input
+    axis in the same float64 values before the one rounding: the in-memory bytes, the same record."""
+    src, mem_report, report = _both_attention(tmp_path, family, head, online)
+    _assert_same(tmp_path, mem_report, report)
+    assert report.structure.rotation["online"] == mem_report.structure.rotation["online"] != []
+    assert not report.stock_reloadable
+    if family == "gpt2":
+        _assert_loads_like_in_memory(tmp_path, src)
+
+
+@pytest.mark.parametrize("attention", ["vo", "both"])
+def test_rotate_attention_vo_does_not_stream(tmp_path, attention):
+    src = _source(tmp_path, "gpt2", "GPT2LMHeadModel")
+    opts = normfold.ConvertOptions(rotate="hadamard", rotate_attention=attention)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(StreamUnsupportedError, match="in-memory"):
+        stream_convert(src, tmp_path / "out", options=opts)
+    assert not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("verify_in_memory", [True, False])
+def test_cli_streams_rotate_attention_online_verified(tmp_path, capsys, monkeypatch, verify_in_memory):
+    """`--stream always --rotate-attention online`: streamed, verified in memory or block by block (the online ops
+    replayed), passing; the in-memory bytes; `vo` still exits 2 with nothing written."""
+    import json
+
+    from normfold.cli import convert_stream as stream_cli
+    from normfold.cli import main
+
+    if not verify_in_memory:
+        monkeypatch.setattr(stream_cli, "VERIFY_IN_MEMORY_BYTES", 0)
+    src = _source(tmp_path, "gpt2", "GPT2LMHeadModel")
+    for mode in ("always", "never"):
+        assert main(["convert", str(src), "--rotate", "hadamard", "--rotate-attention", "online", "--stream", mode,
+                     "--out", str(tmp_path / mode), "-q", "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        v = report["verification"]
+        assert v["passed"] is True and v["fp64"]["passed"] is True
+        assert ("blockwise" in v) == (mode == "always" and not verify_in_memory)
+        assert report["structure"]["rotation"]["online"]
+    a, b = tensors_bytes(tmp_path / "never"), tensors_bytes(tmp_path / "always")
+    assert sorted(a) == sorted(b) and [k for k in a if a[k] != b[k]] == []
+    code = main(["convert", str(src), "--rotate", "hadamard", "--rotate-attention", "vo", "--stream", "always",
+                 "--out", str(tmp_path / "vo"), "-q"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--rotate-attention vo" in err and "Traceback" not in err and not (tmp_path / "vo").exists()

@@ -110,8 +110,8 @@ def add_parser(sub) -> None:
                         "--rotate-seed; weights only, nothing added, stock-reloadable when the rest is; families: "
                         "GPT-2, GPT-Neo, GPT-J, GPT-NeoX, OPT, Phi, Falcon, BLOOM); online = a Hadamard on the "
                         "heads' concatenated output before the output projection at run time (for 4-bit "
-                        "activations there; needs normfold.load); both. Converts in memory (--stream always "
-                        "refuses it)")
+                        "activations there; needs normfold.load); both. online streams (shard by shard); vo and "
+                        "both convert in memory (--stream always refuses them)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="option of the conversion target, repeatable (--to un: M, M_grad, warmup, alpha, "
                         "outlier_filtration; e.g. --option warmup=500)")
@@ -136,10 +136,10 @@ def add_parser(sub) -> None:
                    help="convert a safetensors checkpoint shard by shard in bounded memory, verified block by "
                         "block above 256 MB: auto (default) whenever MODEL is a local directory of safetensors "
                         "weights that can stream: --to rmsnorm, --to crmsnorm (--pad), --rotate (--rotate-online, "
-                        "explicit rotation hooks: BLOOM, CLIP, Whisper, ...), and a Pre-RMSNorm or Pre-CRMSNorm "
+                        "--rotate-attention online, explicit rotation hooks: BLOOM, CLIP, Whisper, ...), and a Pre-RMSNorm or Pre-CRMSNorm "
                         "normfold checkpoint --to layernorm (the way "
                         "back); in memory when an option needs the model (--inputs, --text, "
-                        "--auto, --option, --dry-run, --dtype, --to un, --rotate-attention), for Pre-CRMSNorm checkpoints --to "
+                        "--auto, --option, --dry-run, --dtype, --to un, --rotate-attention vo|both), for Pre-CRMSNorm checkpoints --to "
                         "rmsnorm, and for sources streaming cannot read; "
                         "always = stream or exit 2 saying why; never = in memory (docs/large-checkpoints.md)")
     p.set_defaults(run=run)

@@ -51,7 +51,8 @@ def blockers(args) -> list[str]:
                    f"checkpoint --to {' or '.join(REVERSE_TARGETS)})")
     for flag, on in (("--inputs", getattr(args, "inputs", None)), ("--text", args.text), ("--auto", args.auto),
                      ("--option", args.option), ("--dry-run", args.dry_run),
-                     ("--rotate-attention", getattr(args, "rotate_attention", None))):
+                     (f"--rotate-attention {getattr(args, 'rotate_attention', None)}",
+                      getattr(args, "rotate_attention", None) in ("vo", "both"))):
         if on:
             why.append(f"{flag} needs the in-memory model")
     if args.dtype not in ("auto", None):
@@ -77,7 +78,8 @@ def _prepare(args, source_dir: Path):
     return prepare(source_dir, to=args.to, keep_affine=args.keep_affine, fold_final=args.fold_final,
                    allow_new_bias=args.allow_new_bias, pad=args.pad, untie=getattr(args, "untie", False),
                    rotate=getattr(args, "rotate", None), rotate_seed=getattr(args, "rotate_seed", None),
-                   rotate_online=getattr(args, "rotate_online", None) or None)
+                   rotate_online=getattr(args, "rotate_online", None) or None,
+                   rotate_attention=getattr(args, "rotate_attention", None))
 
 
 def maybe_stream(args, summarize=None) -> int | None:
@@ -271,7 +273,7 @@ def verify_streamed(source_dir: Path, out_dir: Path, report, *, fp64_tol: float 
                                      allow_new_bias=allow_new_bias, pad=pad, untie=untie)
         else:
             variant = rotating_variant(variant, rotate, options.rotate_seed, options.keep_affine,
-                                       bool(options.rotate_online))
+                                       bool(options.rotate_online), options.rotate_attention)
 
         def reconvert(m):
             scratch = ConversionReport(variant=report.variant, adapter=adapter.name, architecture="", dtype="",

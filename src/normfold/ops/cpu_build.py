@@ -16,7 +16,7 @@ from ._build import compile_to
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "rmsnorm_cpu.c"
-ABI_VERSION = 5
+ABI_VERSION = 6
 COMMON_FLAGS = ["-O3", "-shared", "-fPIC"]
 
 
@@ -79,7 +79,8 @@ def declare(lib: ctypes.CDLL) -> None:
     # dtype, dy, ds, x, xs, w, wdt, rstd, dx, dw_part, db_part, rows, n, compressed, nthreads
     lib.nf_backward.argtypes = [I, P, P, P, I64, P, I, P, P, P, P, I64, I64, I, I]
     lib.nf_backward.restype = I
-    lib.nf_fwht_f32.argtypes = [P, I64, I64, I64, P, F]
+    # x, y, rows, m, p, core, scale, nthreads
+    lib.nf_fwht_f32.argtypes = [P, P, I64, I64, I64, P, F, I]
     lib.nf_fwht_f32.restype = I
 
 

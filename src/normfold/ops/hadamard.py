@@ -108,27 +108,42 @@ def _compiling() -> bool:
         return False
 
 
-def fwht_fast(x: Tensor, core: Tensor | None = None) -> Tensor:
-    """`fwht` with normfold's C kernel (`nf_fwht_f32`) for eager CPU float32 inference; `fwht` (plain
-    aten) otherwise, or when the kernel library is unavailable. Same butterflies in the same order; the
-    Paley core's m×m sum may round differently from aten's matmul."""
+def fwht_fast(x: Tensor, core: Tensor | None = None, *, out: Tensor | None = None) -> Tensor:
+    """`fwht` with normfold's C kernel (`nf_fwht_f32`) for eager CPU float32 inference, its Triton kernel
+    (`normfold.ops.triton_hadamard`) for eager CUDA float32 inference; `fwht` (plain aten) otherwise, or
+    when the kernel is unavailable. Same butterflies, core sums and scaling in
+    the same order, so the result is bit-identical to `fwht`. The kernel reads `x` and writes a new tensor
+    (one pass, no copy first), or `out` when given (a contiguous float32 tensor of x's shape; `out=x`
+    transforms x in place); it splits rows over torch.get_num_threads() threads for large inputs."""
+    if x.is_cuda and type(x) is Tensor and not _compiling():
+        from . import triton_hadamard
+
+        if triton_hadamard.supports(x, 1 if core is None else core.shape[0]):
+            return triton_hadamard.fwht(x, core, out=out)
     if not _plain(x):
-        return fwht(x, core)
+        return fwht(x, core) if out is None else out.copy_(fwht(x, core))
     from .cpu import library
 
     lib = library()
     if lib is None or not hasattr(lib, "nf_fwht_f32"):
-        return fwht(x, core)
+        return fwht(x, core) if out is None else out.copy_(fwht(x, core))
     n = x.shape[-1]
     m = 1 if core is None else core.shape[0]
     p = n // m
     if m * p != n or p & (p - 1):
         raise ValueError(f"fwht: width {n} is not {m}·2^k")
-    y = x.contiguous().clone()
-    c = None if core is None else core.to(torch.float32).contiguous()
-    rc = lib.nf_fwht_f32(y.data_ptr(), y.numel() // n if n else 0, m, p, None if c is None else c.data_ptr(),
-                         1.0 / math.sqrt(n))
+    src = x.contiguous()
+    if out is None:
+        y = torch.empty_like(src)
+    else:
+        if out.shape != x.shape or out.dtype != torch.float32 or not out.is_contiguous() or out.device != x.device:
+            raise ValueError("fwht_fast: out must be a contiguous CPU float32 tensor of x's shape")
+        y = out
+    c = None
+    if core is not None:
+        c = core if core.dtype == torch.float32 and core.is_contiguous() else core.to(torch.float32).contiguous()
+    rc = lib.nf_fwht_f32(src.data_ptr(), y.data_ptr(), src.numel() // n if n else 0, m, p,
+                         None if c is None else c.data_ptr(), 1.0 / math.sqrt(n), torch.get_num_threads())
     if rc != 0:
-        return fwht(x, core)
+        return fwht(x, core) if out is None else out.copy_(fwht(x, core))
     return y
-

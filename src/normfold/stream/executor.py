@@ -27,8 +27,9 @@ and a writer thread, `writer.write_checkpoint`), and freed tensor memory is reus
 `--stream auto` streams whenever it succeeds.
 
 `rotate="hadamard"|"orthogonal"` streams too (`stream/rotation.py`: each component in float64 from read to one
-rounding, the in-memory rotation's own functions; the same bytes), explicit rotation hooks and `rotate_online`
-included (recorded in the structure as the in-memory rotation records them).
+rounding, the in-memory rotation's own functions; the same bytes), explicit rotation hooks, `rotate_online` and
+`rotate_attention="online"` included (recorded in the structure as the in-memory rotation records them); the
+value/output rotation (`rotate_attention="vo"` / `"both"`) does not stream.
 
 The parts: `source` (the checkpoint's headers, the meta model, tensor names), `plan` (edits, components, output
 tensors and files), `compute` (one component's values), `writer` (files written, overlapped with reading and
@@ -85,18 +86,19 @@ class Prepared:
 
 
 def _options(options, to, keep_affine, fold_final, allow_new_bias, pad, untie, rotate=None,
-             rotate_seed=None, rotate_online=None) -> ConvertOptions:
+             rotate_seed=None, rotate_online=None, rotate_attention=None) -> ConvertOptions:
     options = resolve_options(options, "stream_convert", to=to, keep_affine=keep_affine, fold_final=fold_final,
                               allow_new_bias=allow_new_bias, pad=pad, untie=untie, rotate=rotate,
-                              rotate_seed=rotate_seed, rotate_online=rotate_online)
+                              rotate_seed=rotate_seed, rotate_online=rotate_online,
+                              rotate_attention=rotate_attention)
     options = options.replace(keep_affine=bool(options.keep_affine))
     if options.to not in STREAMED_TARGETS or options.variant_options:
         what = f"--to {options.to}" if options.to not in STREAMED_TARGETS else "--option"
         raise StreamUnsupportedError(f"streaming converts --to {' or '.join(STREAMED_TARGETS)} without --option; "
                                      f"{what} needs the in-memory conversion (--stream never, or normfold.convert)")
-    if options.rotate_attention is not None:
-        raise StreamUnsupportedError("--rotate-attention needs the in-memory conversion (--stream never, or "
-                                     "normfold.convert)")
+    if options.rotate_attention not in (None, "online"):
+        raise StreamUnsupportedError(f"--rotate-attention {options.rotate_attention} needs the in-memory conversion "
+                                     "(--stream never, or normfold.convert); only --rotate-attention online streams")
     try:
         return options.check()  # the rules every conversion follows (ConvertOptions.check), the same messages
     except NormfoldError as exc:
@@ -107,7 +109,8 @@ def _options(options, to, keep_affine, fold_final, allow_new_bias, pad, untie, r
 def prepare(source_dir: str | os.PathLike, *, to: str | None = None, options: ConvertOptions | None = None,
             keep_affine: bool | None = None, fold_final: bool | None = None, allow_new_bias: bool | None = None,
             pad: bool | None = None, untie: bool | None = None, rotate: str | None = None,
-            rotate_seed: int | None = None, rotate_online: bool | None = None) -> Prepared:
+            rotate_seed: int | None = None, rotate_online: bool | None = None,
+            rotate_attention: str | None = None) -> Prepared:
     """Everything `stream_convert` checks before it writes anything (headers, dtypes, names, the adapter and
     its plan, on a meta model: no weights read but norm biases later). Raises StreamUnsupportedError (or
     another NormfoldError) when this source or option cannot stream; the CLI's `--stream auto` then
@@ -119,7 +122,7 @@ def prepare(source_dir: str | os.PathLike, *, to: str | None = None, options: Co
                                      "reverse ones; stream_convert(..., to='layernorm') streams a Pre-RMSNorm / "
                                      "Pre-CRMSNorm one back (normfold.stream.reverse), the others convert in memory (--stream never)")
     options = _options(options, to, keep_affine, fold_final, allow_new_bias, pad, untie, rotate, rotate_seed,
-                       rotate_online)
+                       rotate_online, rotate_attention)
     if options.rotate is not None:
         from .rotation import variant
 
@@ -148,7 +151,8 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                    options: ConvertOptions | None = None, keep_affine: bool | None = None,
                    fold_final: bool | None = None, allow_new_bias: bool | None = None, pad: bool | None = None,
                    untie: bool | None = None, rotate: str | None = None, rotate_seed: int | None = None,
-                   rotate_online: bool | None = None, progress: Progress | None = None,
+                   rotate_online: bool | None = None, rotate_attention: str | None = None,
+                   progress: Progress | None = None,
                    prepared: Prepared | None = None) -> ConversionReport:
     """Convert the safetensors checkpoint in `source_dir` into `out_dir` (an existing empty directory)
     shard by shard, to Pre-RMSNorm or Pre-CRMSNorm (`pad` too), rotated with `rotate` / `rotate_seed`. Writes the weights (sharded like the source
@@ -177,7 +181,7 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             return stream_reverse(source_dir, out, to=target, progress=progress)
         prepared = prepare(source_dir, to=to, options=options, keep_affine=keep_affine, fold_final=fold_final,
                            allow_new_bias=allow_new_bias, pad=pad, untie=untie, rotate=rotate, rotate_seed=rotate_seed,
-                           rotate_online=rotate_online)
+                           rotate_online=rotate_online, rotate_attention=rotate_attention)
     source, dtype, original, names = prepared.source, prepared.dtype, prepared.original, prepared.names
     adapter, plan, options = prepared.adapter, prepared.plan, prepared.options
     to = options.to

@@ -24,7 +24,10 @@ record).
 in-memory rotation does, and each of their weights, once rotated by Q along its stream axis, is multiplied by H/√n
 along its input axis in the same float64 values before the one rounding (`online_targets`; the order and the
 function, `algebra.rotate_axis`, of `rotate.add_online_hadamard`). Such a weight is never split into row blocks:
-H mixes what would be its rows in GPT-2's Conv1D layout.
+H mixes what would be its rows in GPT-2's Conv1D layout. `--rotate-attention online` (the Hadamard before each
+attention output projection) streams the same way: the structure pass records those projections in
+structure.rotation["online"] after the down-projections, as the in-memory rotation does. The value/output rotation
+(`vo`, `both`) does not stream (it rotates V's rows inside a fused QKV weight): the executor refuses it.
 """
 
 from __future__ import annotations
@@ -47,9 +50,10 @@ from .source import StreamUnsupportedError
 BLOCK_ABOVE = 64 * 1024**2  # float64 bytes of a component above which its largest tensor runs in row blocks
 
 def variant(options):
-    """The rotating rmsnorm variant of `options` (what normfold.convert builds for rotate=..., rotate_online=...)."""
+    """The rotating rmsnorm variant of `options` (what normfold.convert builds for rotate=..., rotate_online=...,
+    rotate_attention="online"; the executor refuses the value/output rotation before this)."""
     return rotating_variant(VARIANTS[options.to], options.rotate, options.rotate_seed, options.keep_affine,
-                            bool(options.rotate_online))
+                            bool(options.rotate_online), options.rotate_attention)
 
 
 def check_plan(plan) -> None:

@@ -28,7 +28,7 @@ static inline int nf_num_threads(void) { return 1; }
 #endif
 
 #define NF_INLINE inline __attribute__((always_inline))
-#define NF_ABI_VERSION 5
+#define NF_ABI_VERSION 6
 /* Below this many elements per thread a parallel region costs more than it saves. Measured on the
  * Zen 5 EPYC, 2 threads, torch 2.13 (docs/kernels-cpu.md, "Threads for mid-sized inputs"): norms of
  * 16-64 K elements ran 4-18% faster on both threads than on one in isolation, and float32 / bfloat16
@@ -280,58 +280,172 @@ int nf_backward(int dtype, const void *dy, const void *ds, const void *x, int64_
 }
 
 /* ---- fast Walsh-Hadamard transform (online rotations) ----
- * x: rows x (m*p) float32, contiguous, transformed in place: per row, per chunk c < m of p = 2^k values,
- * log2(p) butterfly stages (a, b) -> (a + b, a - b) over pairs (i, i + h), h = 1, 2, ..., p/2 (the same
- * adds in the same order as normfold.ops.hadamard.fwht); then, when core (m x m, row-major) is given,
- * out[j] = sum_i core[i][j] * y[i] chunk by chunk (i ascending); finally times scale. Rows go in blocks of
- * NF_FWHT_R, transposed into a scratch buffer so that every butterfly and every core term is one vector
- * operation over NF_FWHT_R rows (the small strides h = 1, 2, 4 of a row do not vectorise otherwise).
- * Returns 0, -1 on a bad argument, -2 when the scratch cannot be allocated. */
-#define NF_FWHT_R 8
-int nf_fwht_f32(float *x, int64_t rows, int64_t m, int64_t p, const float *core, float scale) {
-    if (!x || rows < 0 || m < 1 || p < 1 || (p & (p - 1))) return -1;
-    const int64_t n = m * p;
-    const int use_core = core && m > 1;
-    float *t = (float *)malloc((size_t)n * NF_FWHT_R * sizeof(float) * (use_core ? 2 : 1));
-    if (!t) return -2;
-    float *o = use_core ? t + n * NF_FWHT_R : t;
-    for (int64_t r0 = 0; r0 < rows; r0 += NF_FWHT_R) {
-        const int64_t rb = rows - r0 < NF_FWHT_R ? rows - r0 : NF_FWHT_R;
-        for (int64_t k = 0; k < NF_FWHT_R; k++) {
-            const float *src = x + (r0 + (k < rb ? k : 0)) * n;
-            for (int64_t i = 0; i < n; i++) t[i * NF_FWHT_R + k] = src[i];
-        }
-        for (int64_t c = 0; c < m; c++) {
-            float *y = t + c * p * NF_FWHT_R;
-            for (int64_t h = 1; h < p; h *= 2) {
-                for (int64_t i = 0; i < p; i += 2 * h) {
-                    for (int64_t j = i; j < i + h; j++) {
-                        float *a = y + j * NF_FWHT_R, *b = y + (j + h) * NF_FWHT_R;
-                        for (int k = 0; k < NF_FWHT_R; k++) {
-                            const float u = a[k], v = b[k];
-                            a[k] = u + v;
-                            b[k] = u - v;
-                        }
-                    }
-                }
+ * y = x · (H_m ⊗ H_p) · scale per row of n = m*p float32 values (p = 2^k; x, y contiguous, y == x allowed:
+ * in place). Per row, per chunk c < m of p values: log2(p) butterfly stages (a, b) -> (a + b, a - b) over
+ * pairs (i, i + h), h = 1, 2, ..., p/2 (the same adds in the same order as normfold.ops.hadamard.fwht);
+ * then, when core (m x m, row-major, entries ±1) is given, out[j] = 0 + sum_i core[i][j] * y[i] chunk by
+ * chunk (i ascending: the products are exact, so contracting them into FMAs rounds the same); finally
+ * times scale (one multiply of each rounded value: applied as the last stage or the core sum is stored,
+ * it rounds the same as a separate pass). So the result is bit-identical to the aten fwht.
+ *
+ * Rows stay in their layout: with p >= 8 a chunk is p/8 vectors of 8 lanes (GCC/Clang vector extensions,
+ * compiled for every ISA path); the stages h = 1, 2, 4 are lane shuffles inside one vector (lanes with bit
+ * h set compute -b + a, equal to a - b), the stages h = 8 .. 32 run on 8 vectors held in registers and
+ * the larger ones as passes over the row, into a row of scratch when a core follows; the core sums then
+ * go from the scratch to y, 8 vectors of an output chunk at a time (8 independent accumulators). Widths with p < 8 take a
+ * scalar loop. Rows are split over up to `nthreads` OpenMP threads (when built with OpenMP), at least
+ * NF_GRAIN elements each, like the norms.
+ * Returns 0, or -1 on a bad argument. */
+typedef float nf_v8 __attribute__((vector_size(32)));
+typedef int32_t nf_i8 __attribute__((vector_size(32)));
+typedef float nf_v8u __attribute__((vector_size(32), aligned(4), may_alias));
+#if defined(__clang__)
+#define NF_SHUF8(v, a, b, c, d, e, f, g, h) __builtin_shufflevector(v, v, a, b, c, d, e, f, g, h)
+#else
+#define NF_SHUF8(v, a, b, c, d, e, f, g, h) __builtin_shuffle(v, (nf_i8){a, b, c, d, e, f, g, h})
+#endif
+#define NF_SGN ((int32_t)0x80000000)
+
+static inline nf_v8 nf_v8_ld(const float *p) { return *(const nf_v8u *)p; }
+static inline void nf_v8_st(float *p, nf_v8 v) { *(nf_v8u *)p = v; }
+static inline nf_v8 nf_v8_flip(nf_v8 v, nf_i8 m) { return (nf_v8)((nf_i8)v ^ m); }
+
+/* stages h = 1, 2, 4 inside one vector of 8 consecutive values */
+static inline nf_v8 nf_fwht8(nf_v8 v) {
+    v = nf_v8_flip(v, (nf_i8){0, NF_SGN, 0, NF_SGN, 0, NF_SGN, 0, NF_SGN}) + NF_SHUF8(v, 1, 0, 3, 2, 5, 4, 7, 6);
+    v = nf_v8_flip(v, (nf_i8){0, 0, NF_SGN, NF_SGN, 0, 0, NF_SGN, NF_SGN}) + NF_SHUF8(v, 2, 3, 0, 1, 6, 7, 4, 5);
+    v = nf_v8_flip(v, (nf_i8){0, 0, 0, 0, NF_SGN, NF_SGN, NF_SGN, NF_SGN}) + NF_SHUF8(v, 4, 5, 6, 7, 0, 1, 2, 3);
+    return v;
+}
+
+/* stages h = 1 .. 8*G/2 on G (1, 2, 4 or 8) consecutive vectors, src -> dst, times s when `last` */
+static inline __attribute__((always_inline)) void nf_fwht_group(const float *src, float *dst, int G, int last,
+                                                                 float s) {
+    nf_v8 r[8];
+#pragma GCC unroll 8
+    for (int k = 0; k < G; k++) r[k] = nf_fwht8(nf_v8_ld(src + 8 * k));
+#pragma GCC unroll 8
+    for (int d = 1; d < G; d *= 2)
+#pragma GCC unroll 8
+        for (int i = 0; i < G; i += 2 * d)
+#pragma GCC unroll 8
+            for (int k = i; k < i + d; k++) {
+                const nf_v8 a = r[k], b = r[(k + d) & 7];  /* k + d < G <= 8; the mask only quiets -Warray-bounds */
+                r[k] = a + b;
+                r[(k + d) & 7] = a - b;
             }
-        }
-        if (use_core) {
-            for (int64_t j = 0; j < m; j++) {
-                float *oj = o + j * p * NF_FWHT_R;
-                for (int64_t q = 0; q < p * NF_FWHT_R; q++) oj[q] = 0.0f;
-                for (int64_t i = 0; i < m; i++) {
-                    const float cij = core[i * m + j];
-                    const float *yi = t + i * p * NF_FWHT_R;
-                    for (int64_t q = 0; q < p * NF_FWHT_R; q++) oj[q] += cij * yi[q];
-                }
+    if (last)
+#pragma GCC unroll 8
+        for (int k = 0; k < G; k++) r[k] *= s;
+#pragma GCC unroll 8
+    for (int k = 0; k < G; k++) nf_v8_st(dst + 8 * k, r[k]);
+}
+
+/* one chunk of p >= 8 values (p/8 vectors), src -> dst; times s when `last` (no core follows) */
+static void nf_fwht_chunk(const float *src, float *dst, int64_t p, int last, float s) {
+    const int64_t nv = p / 8;
+    if (nv == 1) { nf_fwht_group(src, dst, 1, last, s); return; }
+    if (nv == 2) { nf_fwht_group(src, dst, 2, last, s); return; }
+    if (nv == 4) { nf_fwht_group(src, dst, 4, last, s); return; }
+    if (nv == 8) { nf_fwht_group(src, dst, 8, last, s); return; }
+    for (int64_t v = 0; v < nv; v += 8) nf_fwht_group(src + 8 * v, dst + 8 * v, 8, 0, s);
+    for (int64_t d = 8; d < nv; d *= 2) {
+        const int sc = last && 2 * d == nv;
+        for (int64_t i = 0; i < nv; i += 2 * d)
+            for (int64_t k = i; k < i + d; k++) {
+                const nf_v8 a = nf_v8_ld(dst + 8 * k), b = nf_v8_ld(dst + 8 * (k + d));
+                nf_v8 u = a + b, w = a - b;
+                if (sc) { u *= s; w *= s; }
+                nf_v8_st(dst + 8 * k, u);
+                nf_v8_st(dst + 8 * (k + d), w);
             }
-        }
-        for (int64_t k = 0; k < rb; k++) {
-            float *dst = x + (r0 + k) * n;
-            for (int64_t i = 0; i < n; i++) dst[i] = o[i * NF_FWHT_R + k] * scale;
-        }
     }
-    free(t);
+}
+
+/* core sums over the m chunks of one row (p >= 8), t -> y, times s: for each output chunk j, G vectors
+ * of it at a time are G independent accumulators, each term one multiply-add with a vector of t */
+static inline __attribute__((always_inline)) void nf_fwht_core_g(const float *t, float *y, int64_t m, int64_t p,
+                                                                  const float *core, float s, int G) {
+    for (int64_t q = 0; q < p; q += 8 * G)
+        for (int64_t j = 0; j < m; j++) {
+            nf_v8 acc[8];
+#pragma GCC unroll 8
+            for (int k = 0; k < G; k++) acc[k] = (nf_v8){0, 0, 0, 0, 0, 0, 0, 0};
+            for (int64_t i = 0; i < m; i++) {
+                const float c = core[i * m + j];
+                const float *ti = t + i * p + q;
+#pragma GCC unroll 8
+                for (int k = 0; k < G; k++) acc[k] += nf_v8_ld(ti + 8 * k) * c;
+            }
+#pragma GCC unroll 8
+            for (int k = 0; k < G; k++) nf_v8_st(y + j * p + q + 8 * k, acc[k] * s);
+        }
+}
+
+static void nf_fwht_core(const float *t, float *y, int64_t m, int64_t p, const float *core, float s) {
+    if (p >= 64) nf_fwht_core_g(t, y, m, p, core, s, 8);
+    else if (p == 32) nf_fwht_core_g(t, y, m, p, core, s, 4);
+    else if (p == 16) nf_fwht_core_g(t, y, m, p, core, s, 2);
+    else nf_fwht_core_g(t, y, m, p, core, s, 1);
+}
+
+/* p < 8: the plain loops (the aten order), one row */
+static void nf_fwht_row_scalar(const float *x, float *y, int64_t m, int64_t p, const float *core, float s,
+                               float *tmp) {
+    const int64_t n = m * p;
+    for (int64_t i = 0; i < n; i++) y[i] = x[i];
+    for (int64_t c = 0; c < m; c++) {
+        float *z = y + c * p;
+        for (int64_t h = 1; h < p; h *= 2)
+            for (int64_t i = 0; i < p; i += 2 * h)
+                for (int64_t j = i; j < i + h; j++) {
+                    const float a = z[j], b = z[j + h];
+                    z[j] = a + b;
+                    z[j + h] = a - b;
+                }
+    }
+    if (core) {
+        for (int64_t j = 0; j < m; j++)
+            for (int64_t q = 0; q < p; q++) {
+                float acc = 0.0f;
+                for (int64_t i = 0; i < m; i++) acc += core[i * m + j] * y[i * p + q];
+                tmp[j * p + q] = acc;
+            }
+        for (int64_t i = 0; i < n; i++) y[i] = tmp[i] * s;
+    } else {
+        for (int64_t i = 0; i < n; i++) y[i] *= s;
+    }
+}
+
+static void nf_fwht_rows(const float *x, float *y, int64_t r0, int64_t r1, int64_t m, int64_t p,
+                         const float *core, float s) {
+    const int64_t n = m * p;
+    if (p < 8) {
+        float tmp[core ? n : 1];
+        for (int64_t r = r0; r < r1; r++) nf_fwht_row_scalar(x + r * n, y + r * n, m, p, core, s, tmp);
+        return;
+    }
+    float t[core ? n : 1];  /* the butterflies' output when a core sum follows */
+    for (int64_t r = r0; r < r1; r++) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n, *br = core ? t : yr;
+        for (int64_t c = 0; c < m; c++) nf_fwht_chunk(xr + c * p, br + c * p, p, !core, s);
+        if (core) nf_fwht_core(t, yr, m, p, core, s);
+    }
+}
+
+int nf_fwht_f32(const float *x, float *y, int64_t rows, int64_t m, int64_t p, const float *core, float scale,
+                int nthreads) {
+    if (!x || !y || rows < 0 || m < 1 || p < 1 || (p & (p - 1))) return -1;
+    const float *c = core && m > 1 ? core : NULL;
+    const int64_t n = m * p;
+    const int nth = nf_threads_for(nthreads, rows, n, NF_F32);  /* the norms' grain: 8192 elements a thread */
+    if (nth == 1) {
+        nf_fwht_rows(x, y, 0, rows, m, p, c, scale);
+        return 0;
+    }
+#pragma omp parallel for schedule(static) num_threads(nth)
+    for (int t = 0; t < nth; t++)
+        nf_fwht_rows(x, y, rows * t / nth, rows * (t + 1) / nth, m, p, c, scale);
     return 0;
 }
