@@ -1,6 +1,7 @@
 """The family registry (normfold.adapters.families) is the one list of families: every adapter module of the
-package is named by exactly one entry, in the order `find_adapter` tries them, and the entries' names
-resolve (each adapter is called as its family). The fused block modules are checked in
+package is named by exactly one entry, in the order `find_adapter` tries them, the entries' names resolve
+(each adapter is called as its family), and every family gives tiny examples (its adapter's, or the entry's
+own when the analysis derives its plan). The fused block modules are checked in
 tests/fastpath/test_fused_registry.py (fastpath sits above the adapters)."""
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ def test_registry_order_is_the_match_order_and_names_agree():
     assert builtin == [f.name for f in FAMILIES if f.adapter is not None]
     for f in FAMILIES:
         assert isinstance(f, Family) and get_family(f.name) is f
-        if f.adapter is not None:
-            assert get_adapter(f.name).examples == family_examples(f.name)
-            assert family_examples(f.name), f"{f.name}: a family with an adapter gives tiny examples"
-        else:
-            assert family_examples(f.name) == ()
+        want = get_adapter(f.name).examples if f.adapter is not None else f.examples
+        assert family_examples(f.name) == want and want, f"{f.name}: every family gives tiny examples"
+
+
+def test_an_adapter_carries_its_own_examples():
+    with pytest.raises(ValueError, match="ADAPTER.examples"):
+        Family("x", adapter="x", examples=family_examples("dinov2"))
 
 
 def test_unknown_family_says_what_is_known():

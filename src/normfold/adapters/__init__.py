@@ -98,10 +98,10 @@ def example_inputs(model: nn.Module, generator: torch.Generator | None = None, *
 
 
 def family_examples(name: str) -> tuple:
-    """The tiny examples (`TinyExample`) of the family called `name`: its adapter's `examples` (none for a
-    family without an adapter)."""
+    """The tiny examples (`TinyExample`) of the family called `name`: its adapter's `examples`, or the registry
+    entry's own for a family without an adapter."""
     family = get_family(name)
-    return get_adapter(family.name).examples if family.adapter is not None else ()
+    return get_adapter(family.name).examples if family.adapter is not None else family.examples
 
 
 def get_adapter(name: str) -> Adapter:
