@@ -1,11 +1,15 @@
 """Tiny random configs of transformers families that have no normfold adapter, converted by the plan the
-analysis derives (issue 13). Used by tests/analysis/test_autoplan.py and scripts/auto_families.py."""
+analysis derives (issue 13): the examples of the family registry's entries without an adapter
+(normfold.adapters.families). Used by tests/analysis/test_autoplan.py and scripts/auto_families.py."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
+
+from normfold.adapters import FAMILIES as REGISTRY
 
 
 @dataclass(frozen=True)
@@ -26,25 +30,14 @@ class AutoFamily:
         return getattr(transformers, self.head)(cfg).eval().to(dtype)
 
 
-_VIT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, image_size=16,
-            patch_size=4, num_channels=3)
-_LM = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
-           max_position_embeddings=64)
+def _from_registry() -> tuple[AutoFamily, ...]:
+    """Every example of the family registry's families without an adapter (normfold.adapters.families), and
+    DINOv2 traced at another image size."""
+    out = [AutoFamily(f.name if len(f.examples) == 1 else f"{f.name}-{ex.name}", ex.config, ex.heads[0], ex.kwargs)
+           for f in REGISTRY if f.adapter is None for ex in f.examples]
+    dinov2 = next(a for a in out if a.key == "dinov2")
+    out.insert(out.index(dinov2) + 1, dataclasses.replace(dinov2, key="dinov2-24px", image_size=24))
+    return tuple(out)
 
-FAMILIES = (
-    AutoFamily("dinov2", "Dinov2Config", "Dinov2Model", dict(_VIT, layerscale_value=0.5)),
-    AutoFamily("dinov2-24px", "Dinov2Config", "Dinov2Model", dict(_VIT, layerscale_value=0.5), image_size=24),
-    AutoFamily("beit", "BeitConfig", "BeitModel",
-               dict(_VIT, vocab_size=50, use_mask_token=False, layer_scale_init_value=0.5,
-                    use_relative_position_bias=True, use_mean_pooling=True)),
-    AutoFamily("data2vec-vision", "Data2VecVisionConfig", "Data2VecVisionModel",
-               dict(_VIT, layer_scale_init_value=0.5, use_relative_position_bias=True, use_mean_pooling=True)),
-    AutoFamily("vit-mae", "ViTMAEConfig", "ViTMAEModel", dict(_VIT, mask_ratio=0.0)),
-    AutoFamily("persimmon", "PersimmonConfig", "PersimmonForCausalLM", dict(_LM)),
-    AutoFamily("stablelm", "StableLmConfig", "StableLmForCausalLM", dict(_LM, num_key_value_heads=2)),
-    AutoFamily("codegen", "CodeGenConfig", "CodeGenForCausalLM",
-               dict(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64, rotary_dim=4, bos_token_id=0,
-                    eos_token_id=0)),
-    AutoFamily("mpt", "MptConfig", "MptForCausalLM",
-               dict(vocab_size=97, d_model=32, n_layers=2, n_heads=4, expansion_ratio=2, max_seq_len=64)),
-)
+
+FAMILIES = _from_registry()

@@ -198,6 +198,15 @@ DROPOUT = {
 CASES = [(f, to) for f, (_, tos, _) in FAMILIES.items() for to in tos]
 
 
+def test_every_registered_block_has_a_case():
+    """The blocks come from the family registry (normfold.adapters.families, `Family.fused`): a family whose
+    fused block has no case here fails until one is added."""
+    covered = {name for _, _, names in FAMILIES.values() for name in names}
+    # GPT-2 and ViT: tests/test_fastpath.py; GPT-J and Phi (hand-off only): tests/test_fastpath_handoff.py
+    covered |= {"GPT2Block", "ViTLayer", "GPTJBlock", "PhiDecoderLayer"}
+    assert set(fastpath.FUSED_BLOCKS) <= covered, sorted(set(fastpath.FUSED_BLOCKS) - covered)
+
+
 def _inputs(make, dtype):
     torch.manual_seed(1)
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in make().items()}

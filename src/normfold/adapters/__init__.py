@@ -1,4 +1,5 @@
-"""Adapter registry: built-in families plus plug-ins.
+"""Adapter registry: the built-in families' adapters (named by the family registry, `families.FAMILIES`)
+plus plug-ins.
 
 Third-party packages register adapters with an entry point in the group ``normfold.adapters``
 whose object is an `Adapter` (or a zero-argument callable returning one or a list of them), or by
@@ -27,31 +28,7 @@ from .base import (
     template_adapter,
 )
 from .examples import config_inputs
-
-# One module per family; each defines ADAPTER (or ADAPTERS). Adding a family = one line here.
-_BUILTIN_MODULES = (
-    "gpt2",
-    "gpt_neo",
-    "gptj",
-    "gpt_neox",
-    "opt",
-    "bloom",
-    "phi",
-    "gpt_bigcode",
-    "falcon",
-    "bert",
-    "roberta",
-    "distilbert",
-    "electra",
-    "vit",
-    "deit",
-    "clip",
-    "siglip",
-    "siglip2",
-    "whisper",
-    "mbart",
-    "bart",
-)
+from .families import FAMILIES, Family, get_family
 
 _REGISTRY: dict[str, Adapter] = {}
 _loaded = False
@@ -69,8 +46,10 @@ def _load() -> None:
     if _loaded:
         return
     _loaded = True
-    for mod_name in _BUILTIN_MODULES:
-        mod = importlib.import_module(f"{__name__}.{mod_name}")
+    for family in FAMILIES:  # the family registry (families.py): each family's adapter module
+        if family.adapter is None:
+            continue
+        mod = importlib.import_module(f"{__name__}.{family.adapter}")
         for adapter in getattr(mod, "ADAPTERS", None) or [mod.ADAPTER]:
             register_adapter(adapter)
     for ep in entry_points(group="normfold.adapters"):
@@ -118,6 +97,13 @@ def example_inputs(model: nn.Module, generator: torch.Generator | None = None, *
     return dict(adapter.example_inputs(model, g))
 
 
+def family_examples(name: str) -> tuple:
+    """The tiny examples (`TinyExample`) of the family called `name`: its adapter's `examples`, or the registry
+    entry's own for a family without an adapter."""
+    family = get_family(name)
+    return get_adapter(family.name).examples if family.adapter is not None else family.examples
+
+
 def get_adapter(name: str) -> Adapter:
     _load()
     try:
@@ -129,5 +115,5 @@ def get_adapter(name: str) -> Adapter:
 __all__ = [
     "Adapter", "BlockTemplate", "Capabilities", "ConversionPlan", "KeptNorm", "NormSite", "StreamPlan",
     "StreamTemplate", "template_adapter", "register_adapter", "list_adapters", "find_adapter", "get_adapter",
-    "supported_families", "example_inputs",
+    "supported_families", "example_inputs", "FAMILIES", "Family", "get_family", "family_examples",
 ]

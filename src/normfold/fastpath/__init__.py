@@ -36,7 +36,9 @@ never of what it computes or of what its checkpoint holds.
 `strip(model)` removes everything.
 
 Layout: `padded.py` (the padded writers), `blocks.py` (the fused-block registry: a `FusedBlock` dataclass
-per transformers block class), `families/` (one module per family registering its blocks).
+per transformers block class), `families/` (one module per family defining its blocks, `BLOCKS`, and
+hand-off stacks, `STACKS`; the family registry, normfold.adapters.families, names them and importing
+`families` registers them).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from torch import nn
 
 from ..nn.tied import pack_tied_heads, unpack_tied_heads
 
-from . import families  # noqa: F401  (registers every family's fused blocks)
+from . import families  # noqa: F401  (registers the fused blocks of every family in the family registry)
 from . import handoff
 from .blocks import FUSED_BLOCKS, FusedBlock, fusable, fuse_block, fuse_blocks, is_fused, register, unfuse_block
 from .padded import (PADDED_DTYPES, PADDED_WRITER_FAMILIES, PaddedLinear, is_padded, pad_writer, pad_writers,

@@ -1,8 +1,9 @@
 """Residual add fused with the next norm inside transformers' blocks (Liger-Kernel's pattern), see
-normfold.fastpath. A family adds one `FusedBlock` to the registry (`register`), in its own module under
-`normfold.fastpath.families`: the block's class name, the transformers module that defines it, the norm
-that reads the fused sum, a factory for the patched forward, and the digests of the transformers source
-the patch was copied from (`sources`).
+normfold.fastpath. A family lists its `FusedBlock`s in `BLOCKS` of its own module under
+`normfold.fastpath.families` (each: the block's class name, the transformers module that defines it, the
+norm that reads the fused sum, a factory for the patched forward, and the digests of the transformers
+source the patch was copied from, `sources`); that package registers them here (`register`) for every
+family whose registry entry (normfold.adapters.families) names the module in `Family.fused`.
 
 The patched forwards are hand copies of transformers code. A copy is used only while the installed
 transformers' source of what it copied (the block's forward, and any method the patch relies on, such as

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..blocks import FusedBlock, fusable, register
+from ..blocks import FusedBlock, fusable
 
 
 class _NoResidual:
@@ -55,6 +55,8 @@ def _forward(base):
     return forward
 
 
-register(FusedBlock("BloomBlock", "transformers.models.bloom.modeling_bloom", ("post_attention_layernorm",), _forward,
-                    sources={"e2a44ac3903265d3": "5.24.0"},
-                    watches=("BloomBlock.forward", "BloomAttention.forward"), applies=_applies))
+BLOCKS = (
+    FusedBlock("BloomBlock", "transformers.models.bloom.modeling_bloom", ("post_attention_layernorm",), _forward,
+               sources={"e2a44ac3903265d3": "5.24.0"},
+               watches=("BloomBlock.forward", "BloomAttention.forward"), applies=_applies),
+)

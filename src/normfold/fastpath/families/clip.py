@@ -1,12 +1,12 @@
-"""CLIP (transformers 5's CLIPEncoderLayer, both towers) and SigLIP / SigLIP2 (SiglipEncoderLayer,
-Siglip2EncoderLayer, written the same): the attention output's add fused with layer_norm2."""
+"""CLIP (transformers 5's CLIPEncoderLayer, both towers): the attention output's add fused with layer_norm2.
+SigLIP and SigLIP2 write their encoder layers the same way and reuse `encoder_layer_forward`."""
 
 from __future__ import annotations
 
-from ..blocks import FusedBlock, fusable, register
+from ..blocks import FusedBlock, fusable
 
 
-def _forward(base):
+def encoder_layer_forward(base):
     def forward(self, hidden_states, attention_mask, **kwargs):
         if not fusable(self.layer_norm2):
             return base.forward(self, hidden_states, attention_mask, **kwargs)
@@ -20,8 +20,5 @@ def _forward(base):
     return forward
 
 
-for _name, _module, _sources in (
-        ("CLIPEncoderLayer", "clip.modeling_clip", {"d53ebe9f0bf207e6": "5.24.0"}),
-        ("SiglipEncoderLayer", "siglip.modeling_siglip", {"c90e00b5fe2da19f": "5.24.0"}),
-        ("Siglip2EncoderLayer", "siglip2.modeling_siglip2", {"c90e00b5fe2da19f": "5.24.0"})):
-    register(FusedBlock(_name, f"transformers.models.{_module}", ("layer_norm2",), _forward, _sources))
+BLOCKS = (FusedBlock("CLIPEncoderLayer", "transformers.models.clip.modeling_clip", ("layer_norm2",),
+                     encoder_layer_forward, {"d53ebe9f0bf207e6": "5.24.0"}),)

@@ -4,10 +4,14 @@ layernorm (normfold.fastpath.handoff)."""
 
 from __future__ import annotations
 
-from ..blocks import FusedBlock, register
-from ..handoff import Stack, register_stack
+from ..blocks import FusedBlock
+from ..handoff import Stack
 from .vit import layer_forward
 
-register(FusedBlock("DeiTLayer", "transformers.models.deit.modeling_deit", ("layernorm_after",), layer_forward,
-                    {"b80c65684c27ccfd": "5.24.0"}, hands_off=True, entry=("layernorm_before",)))
-register_stack(Stack("DeiTModel", "transformers.models.deit.modeling_deit", "layers", "layernorm"))
+BLOCKS = (
+    FusedBlock("DeiTLayer", "transformers.models.deit.modeling_deit", ("layernorm_after",), layer_forward,
+               {"b80c65684c27ccfd": "5.24.0"}, hands_off=True, entry=("layernorm_before",)),
+)
+STACKS = (
+    Stack("DeiTModel", "transformers.models.deit.modeling_deit", "layers", "layernorm"),
+)

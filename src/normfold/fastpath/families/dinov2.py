@@ -5,7 +5,7 @@ stream width) and the zero-padded form's norms pad, so those models keep transfo
 
 from __future__ import annotations
 
-from ..blocks import FusedBlock, fusable, register
+from ..blocks import FusedBlock, fusable
 
 
 def _forward(base):
@@ -24,5 +24,7 @@ def _forward(base):
     return forward
 
 
-register(FusedBlock("Dinov2Layer", "transformers.models.dinov2.modeling_dinov2", ("norm2",), _forward,
-                    {"6774acecff37226d": "5.24.0"}))
+BLOCKS = (
+    FusedBlock("Dinov2Layer", "transformers.models.dinov2.modeling_dinov2", ("norm2",), _forward,
+               {"6774acecff37226d": "5.24.0"}),
+)

@@ -11,8 +11,8 @@ from __future__ import annotations
 from torch.nn import functional as F
 
 from .. import handoff
-from ..blocks import FusedBlock, fusable, register
-from ..handoff import Stack, register_stack
+from ..blocks import FusedBlock, fusable
+from ..handoff import Stack
 
 
 def _sequential(block) -> bool:
@@ -88,7 +88,8 @@ def _forward(base):  # transformers >= 5.25
 
 
 _MODULE = "transformers.models.falcon.modeling_falcon"
-for _factory, _sources in ((_forward_with_alibi, {"4f6896c9681165e2": "5.24.0"}), (_forward, {"a59d3db40fc7c790": "5.25.0"})):
-    register(FusedBlock("FalconDecoderLayer", _MODULE, (), _factory, _sources, applies=_applies, hands_off=True,
-                        entry=("ln_attn", "input_layernorm")))
-register_stack(Stack("FalconModel", _MODULE, "h", "ln_f"))
+BLOCKS = tuple(FusedBlock("FalconDecoderLayer", _MODULE, (), _factory, _sources, applies=_applies, hands_off=True,
+                          entry=("ln_attn", "input_layernorm"))
+               for _factory, _sources in ((_forward_with_alibi, {"4f6896c9681165e2": "5.24.0"}),
+                                          (_forward, {"a59d3db40fc7c790": "5.25.0"})))
+STACKS = (Stack("FalconModel", _MODULE, "h", "ln_f"),)

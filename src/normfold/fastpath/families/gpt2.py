@@ -4,8 +4,8 @@ to the next block's ln_1 / ln_f (normfold.fastpath.handoff)."""
 from __future__ import annotations
 
 from .. import handoff
-from ..blocks import FusedBlock, fusable, register
-from ..handoff import Stack, register_stack
+from ..blocks import FusedBlock, fusable
+from ..handoff import Stack
 
 
 def _forward(base):
@@ -27,6 +27,10 @@ def _forward(base):
     return forward
 
 
-register(FusedBlock("GPT2Block", "transformers.models.gpt2.modeling_gpt2", ("ln_2",), _forward,
-                    {"a2aefcd4b720b74b": "5.24.0"}, hands_off=True, entry=("ln_1",)))
-register_stack(Stack("GPT2Model", "transformers.models.gpt2.modeling_gpt2", "h", "ln_f"))
+BLOCKS = (
+    FusedBlock("GPT2Block", "transformers.models.gpt2.modeling_gpt2", ("ln_2",), _forward,
+               {"a2aefcd4b720b74b": "5.24.0"}, hands_off=True, entry=("ln_1",)),
+)
+STACKS = (
+    Stack("GPT2Model", "transformers.models.gpt2.modeling_gpt2", "h", "ln_f"),
+)

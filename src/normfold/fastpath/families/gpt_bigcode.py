@@ -3,7 +3,7 @@ Blocks given encoder states (add_cross_attention) keep transformers' code."""
 
 from __future__ import annotations
 
-from ..blocks import FusedBlock, fusable, register
+from ..blocks import FusedBlock, fusable
 
 
 def _forward(base):
@@ -25,5 +25,7 @@ def _forward(base):
     return forward
 
 
-register(FusedBlock("GPTBigCodeBlock", "transformers.models.gpt_bigcode.modeling_gpt_bigcode", ("ln_2",), _forward,
-                    {"7370ebfa908377a1": "5.24.0"}))
+BLOCKS = (
+    FusedBlock("GPTBigCodeBlock", "transformers.models.gpt_bigcode.modeling_gpt_bigcode", ("ln_2",), _forward,
+               {"7370ebfa908377a1": "5.24.0"}),
+)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..blocks import FusedBlock, fusable, register
+from ..blocks import FusedBlock, fusable
 
 
 def _forward(base):
@@ -22,5 +22,7 @@ def _forward(base):
     return forward
 
 
-register(FusedBlock("GPTNeoBlock", "transformers.models.gpt_neo.modeling_gpt_neo", ("ln_2",), _forward,
-                    {"195ab5579ad28c9a": "5.24.0"}))
+BLOCKS = (
+    FusedBlock("GPTNeoBlock", "transformers.models.gpt_neo.modeling_gpt_neo", ("ln_2",), _forward,
+               {"195ab5579ad28c9a": "5.24.0"}),
+)

@@ -7,8 +7,8 @@ input and recomputes from it)."""
 from __future__ import annotations
 
 from .. import handoff
-from ..blocks import FusedBlock, fusable, register
-from ..handoff import Stack, register_stack
+from ..blocks import FusedBlock, fusable
+from ..handoff import Stack
 
 
 def _applies(block) -> bool:
@@ -39,7 +39,11 @@ def _forward(base):
     return forward
 
 
-register(FusedBlock("GPTNeoXLayer", "transformers.models.gpt_neox.modeling_gpt_neox", (), _forward,
-                    {"6c2ab23c0e376b11": "5.24.0"},
-                    applies=_applies, hands_off=True, entry=("input_layernorm",)))
-register_stack(Stack("GPTNeoXModel", "transformers.models.gpt_neox.modeling_gpt_neox", "layers", "final_layer_norm"))
+BLOCKS = (
+    FusedBlock("GPTNeoXLayer", "transformers.models.gpt_neox.modeling_gpt_neox", (), _forward,
+               {"6c2ab23c0e376b11": "5.24.0"},
+               applies=_applies, hands_off=True, entry=("input_layernorm",)),
+)
+STACKS = (
+    Stack("GPTNeoXModel", "transformers.models.gpt_neox.modeling_gpt_neox", "layers", "final_layer_norm"),
+)

@@ -5,8 +5,8 @@ only where ln_1 is a normfold stream norm (a converted model)."""
 from __future__ import annotations
 
 from .. import handoff
-from ..blocks import FusedBlock, fusable, register
-from ..handoff import Stack, register_stack
+from ..blocks import FusedBlock, fusable
+from ..handoff import Stack
 
 
 def _forward(base):
@@ -23,7 +23,11 @@ def _forward(base):
     return forward
 
 
-register(FusedBlock("GPTJBlock", "transformers.models.gptj.modeling_gptj", (), _forward,
-                    {"5185d3c372aace88": "5.24.0"},
-                    applies=lambda block: fusable(block.ln_1), hands_off=True, entry=("ln_1",)))
-register_stack(Stack("GPTJModel", "transformers.models.gptj.modeling_gptj", "h", "ln_f"))
+BLOCKS = (
+    FusedBlock("GPTJBlock", "transformers.models.gptj.modeling_gptj", (), _forward,
+               {"5185d3c372aace88": "5.24.0"},
+               applies=lambda block: fusable(block.ln_1), hands_off=True, entry=("ln_1",)),
+)
+STACKS = (
+    Stack("GPTJModel", "transformers.models.gptj.modeling_gptj", "h", "ln_f"),
+)

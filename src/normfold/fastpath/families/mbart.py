@@ -4,12 +4,14 @@ a LayerNorm that becomes the stream, converted by adapters/post_ln.py) and is no
 
 from __future__ import annotations
 
-from ..blocks import FusedBlock, register
+from ..blocks import FusedBlock
 from ._encoder_decoder import decoder_forward, encoder_forward
 
 _MODULE = "transformers.models.mbart.modeling_mbart"
-register(FusedBlock("MBartEncoderLayer", _MODULE, ("final_layer_norm",), encoder_forward,
-                    {"884830be28cb4818": "5.24.0"}))
-# 5.25 only added expose_in_signature=True to the forward's deprecate_kwarg: decoder_forward mirrors it
-register(FusedBlock("MBartDecoderLayer", _MODULE, ("final_layer_norm",), decoder_forward,
-                    {"d99b6c3af2942f5a": "5.24.0", "57f4f52091f4d2fb": "5.25.0"}))
+BLOCKS = (
+    FusedBlock("MBartEncoderLayer", _MODULE, ("final_layer_norm",), encoder_forward,
+               {"884830be28cb4818": "5.24.0"}),
+    # 5.25 only added expose_in_signature=True to the forward's deprecate_kwarg: decoder_forward mirrors it
+    FusedBlock("MBartDecoderLayer", _MODULE, ("final_layer_norm",), decoder_forward,
+               {"d99b6c3af2942f5a": "5.24.0", "57f4f52091f4d2fb": "5.25.0"}),
+)

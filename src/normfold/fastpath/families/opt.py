@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..blocks import FusedBlock, fusable, register
+from ..blocks import FusedBlock, fusable
 from ._cache_kwarg import renames_past_key_values
 
 
@@ -36,6 +36,8 @@ def _forward(base):
     return forward
 
 
-register(FusedBlock("OPTDecoderLayer", "transformers.models.opt.modeling_opt", ("final_layer_norm",), _forward,
-                    {"bfff061b04cd9646": "5.24.0"},
-                    applies=lambda block: bool(block.do_layer_norm_before)))
+BLOCKS = (
+    FusedBlock("OPTDecoderLayer", "transformers.models.opt.modeling_opt", ("final_layer_norm",), _forward,
+               {"bfff061b04cd9646": "5.24.0"},
+               applies=lambda block: bool(block.do_layer_norm_before)),
+)

@@ -5,8 +5,8 @@ final_layernorm (normfold.fastpath.handoff). Fused only where input_layernorm is
 from __future__ import annotations
 
 from .. import handoff
-from ..blocks import FusedBlock, fusable, register
-from ..handoff import Stack, register_stack
+from ..blocks import FusedBlock, fusable
+from ..handoff import Stack
 
 
 def _forward(base):
@@ -24,8 +24,12 @@ def _forward(base):
     return forward
 
 
-register(FusedBlock("PhiDecoderLayer", "transformers.models.phi.modeling_phi", (), _forward,
-                    {"bed7bf574631eb5c": "5.24.0"},
-                    applies=lambda block: fusable(block.input_layernorm), hands_off=True,
-                    entry=("input_layernorm",)))
-register_stack(Stack("PhiModel", "transformers.models.phi.modeling_phi", "layers", "final_layernorm"))
+BLOCKS = (
+    FusedBlock("PhiDecoderLayer", "transformers.models.phi.modeling_phi", (), _forward,
+               {"bed7bf574631eb5c": "5.24.0"},
+               applies=lambda block: fusable(block.input_layernorm), hands_off=True,
+               entry=("input_layernorm",)),
+)
+STACKS = (
+    Stack("PhiModel", "transformers.models.phi.modeling_phi", "layers", "final_layernorm"),
+)

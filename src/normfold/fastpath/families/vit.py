@@ -4,8 +4,8 @@ off to the next layer's layernorm_before / the final layernorm (normfold.fastpat
 from __future__ import annotations
 
 from .. import handoff
-from ..blocks import FusedBlock, fusable, register
-from ..handoff import Stack, register_stack
+from ..blocks import FusedBlock, fusable
+from ..handoff import Stack
 
 
 def layer_forward(base):
@@ -23,6 +23,10 @@ def layer_forward(base):
     return forward
 
 
-register(FusedBlock("ViTLayer", "transformers.models.vit.modeling_vit", ("layernorm_after",), layer_forward,
-                    {"b80c65684c27ccfd": "5.24.0"}, hands_off=True, entry=("layernorm_before",)))
-register_stack(Stack("ViTModel", "transformers.models.vit.modeling_vit", "layers", "layernorm"))
+BLOCKS = (
+    FusedBlock("ViTLayer", "transformers.models.vit.modeling_vit", ("layernorm_after",), layer_forward,
+               {"b80c65684c27ccfd": "5.24.0"}, hands_off=True, entry=("layernorm_before",)),
+)
+STACKS = (
+    Stack("ViTModel", "transformers.models.vit.modeling_vit", "layers", "layernorm"),
+)
