@@ -35,7 +35,7 @@ from ..quant import quantize_model
 from ..quant.calibrate import quantizable_linears
 from ..quant.gptq import DEFAULT_CLIP_GRID
 from .quant import heldout_batches, logits_of, outlier_gpt2, perplexity
-from .quant_gptq import (ACT_CLIP_GRID, _row, calibration_batches, quant_tokens, search_activation_clip,
+from .quant_gptq import (ACT_CLIP_GRID, calibration_batches, quant_tokens, search_activation_clip,
                          with_activation_quant)
 from .results import write
 from .timing import machine_info
@@ -223,10 +223,14 @@ def evaluate(name: str, model: nn.Module, batches, cal, lm: bool, say, job_list=
         cname = f"W{wbits or 16}A{abits or 16}" + ("" if not aclip or abits is None else " clip")
         kvname = "" if kv is None else f"KV{kv} " + ("clip" if kvclip else "absmax")
         logits = logits_of(m, batches)
-        row = _row(name, form, wname, cname, None, logits, ref, ref_ppl, batches, lm, time.perf_counter() - t0)
-        row.pop("group")
-        row["kv"] = kvname
-        rows.append({c: row[c] for c in COLUMNS})
+        ppl = perplexity(logits, batches) if lm else None
+        row = {"model": name, "form": form, "weights": wname, "config": cname, "kv": kvname,
+               "perplexity": "" if ppl is None else round(ppl, 3),
+               "ppl_gap": "" if ppl is None else round(ppl - ref_ppl, 3),
+               "logit_rel_err": round(float((logits - ref).norm() / ref.norm()), 5),
+               "top1_agree": round(float((logits.argmax(-1) == ref.argmax(-1)).double().mean()), 4),
+               "seconds": round(time.perf_counter() - t0, 1)}
+        rows.append(row)
         say(f"  {form} {wname} {cname} {kvname}: gap {row['ppl_gap']} err {row['logit_rel_err']}")
     return rows, errs
 
