@@ -135,7 +135,7 @@ def gaussian_rel_err_approx(d: int, bits: int = 4) -> float:
     return math.sqrt(2 * math.log(d) / 12) / (2 ** (bits - 1) - 1)
 
 
-def _site(name: str) -> str:
+def site_kind(name: str) -> str:
     if name.endswith(("mlp.c_proj", "fc2", "dense_4h_to_h", "mlp.down_proj")):
         return "MLP down-proj inputs"
     if name.endswith(("attn.c_proj", "out_proj", "attention.dense", "self_attention.dense", "self_attn.dense")):
@@ -159,7 +159,7 @@ def input_errors(model: nn.Module, batches: list[Tensor], bits: int = 4) -> list
         return a
 
     for name, lin in quantizable_linears(m).items():
-        lin.register_forward_pre_hook(lambda mod, args, _n=name: add(_site(_n), args[0])[2].add(_n) and None)
+        lin.register_forward_pre_hook(lambda mod, args, _n=name: add(site_kind(_n), args[0])[2].add(_n) and None)
     for name, attn in attention_modules(m).items():
         def hook(mod, q, k, v, _n=name):
             add("keys (per head)", k)[2].add(_n)
