@@ -166,3 +166,26 @@ def test_cli_rotate_attention_qk(tmp_path, capsys):
     code = main(["convert", str(tmp_path / "src"), "--rotate-attention", "qk", "--out", str(tmp_path / "n"), "-q"])
     err = capsys.readouterr().err
     assert code == 2 and "needs --rotate" in err and not (tmp_path / "n").exists()
+
+
+def test_a_bad_query_key_record_is_refused(tmp_path):
+    _, model, _ = _build("gpt_neox", "parallel", "GPTNeoXForCausalLM", torch.float32)
+    conv, report = normfold.convert(model, rotate="hadamard", rotate_attention="qk")
+    out = normfold.save(conv, report, tmp_path / "out")
+    rep = json.loads((tmp_path / "out" / "normfold.json").read_text())
+    rep["structure"]["rotation"]["query_key"]["online"] = ["gpt_neox.layers.9.attention"]
+    (tmp_path / "out" / "normfold.json").write_text(json.dumps(rep))
+    with pytest.raises(normfold.NormfoldError, match="query/key rotation"):
+        normfold.load(out)
+
+
+def test_cli_verify_a_qk_checkpoint(tmp_path, capsys):
+    from normfold.cli import main
+
+    _, model, _ = _build("gptj", "rotary4", "GPTJForCausalLM", torch.float32)
+    model.save_pretrained(tmp_path / "src")
+    assert main(["convert", str(tmp_path / "src"), "--rotate", "hadamard", "--rotate-online", "--rotate-attention",
+                 "all", "--out", str(tmp_path / "out"), "-q"]) == 0
+    capsys.readouterr()
+    code = main(["verify", str(tmp_path / "src"), str(tmp_path / "out")])
+    assert code == 0, capsys.readouterr().err
