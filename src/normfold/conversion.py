@@ -98,7 +98,7 @@ def register_rotator(apply: Callable[..., None], output_map: Callable[..., Calla
 def rotating_variant(variant: Variant, rotate: str, seed: int, keep_affine: bool, online: bool,
                      attention: str | None = None) -> Variant:
     """`variant` (rmsnorm: `ConvertOptions.check` refuses the others) with its stream rotated afterwards, and
-    inside attention where `attention` asks ("vo", "online", "both")."""
+    inside attention where `attention` asks ("vo", "online", "both", "qk", "all")."""
     if "rotator" not in ROTATOR:  # pragma: no cover - normfold/__init__ imports normfold.rotate
         raise UnsupportedConversionError("rotation is not available (import normfold.rotate)")
     rot = ROTATOR["rotator"]
@@ -790,7 +790,9 @@ def convert(model: nn.Module, to: str | None = None, *, options: ConvertOptions 
     `rotate_online`: also an online Hadamard before every MLP down-projection (exact; the checkpoint then
     needs `normfold.load`).
     `rotate_attention` (needs `rotate`): "vo" rotates V and O per head in the weights (exact, nothing added),
-    "online" adds an online Hadamard before every attention output projection (needs `normfold.load`), "both".
+    "online" adds an online Hadamard before every attention output projection (needs `normfold.load`), "both";
+    "qk" rotates queries and keys per head (in the weights; after the rotary positions at run time for rotary
+    families, which then need `normfold.load`), "all" = both + qk.
 
     A head tied to an embedding table stays tied (loads with normfold.load): the table stays the original
     tensor, the head the stock Linear reading it, and a Recenter after the embedding centres its output

@@ -40,7 +40,8 @@ class ConvertOptions:
     rotate_online: also an online Hadamard before every MLP down-projection (needs `rotate`).
     rotate_attention: rotations inside attention (needs `rotate`): "vo" the exact per-head rotation of the
         value/output projections (weights only), "online" an online Hadamard before the attention output
-        projection, "both"; None: neither.
+        projection, "both"; "qk" the per-head rotation of queries and keys (in the weights, or after the rotary
+        positions at run time), "all" the three; None: none.
     variant_options: options of the target itself (e.g. UnifiedNorm's M, warmup; `--option KEY=VALUE`).
     """
 
@@ -122,8 +123,9 @@ class ConvertOptions:
 
 FIELDS = tuple(f.name for f in dataclasses.fields(ConvertOptions))
 # rotations inside attention (`rotate_attention`): the per-head V/O rotation in the weights, the online Hadamard
-# before each attention output projection, or both
-ATTENTION_ROTATIONS = ("vo", "online", "both")
+# before each attention output projection, both of those, the per-head query/key rotation (keys for a quantized KV
+# cache), or all three
+ATTENTION_ROTATIONS = ("vo", "online", "both", "qk", "all")
 # the version of the `options` record in normfold.json (`ConvertOptions.to_record`)
 OPTIONS_VERSION = 1
 

@@ -48,6 +48,7 @@ from .conversion import apply_rmsnorm, layernorm_names, register_rotator
 from .options import ConvertOptions
 from .errors import UnsupportedConversionError
 from .modelinfo import working_dtype
+from .nn.attention import add_qk_rotation
 from .nn.online import add_input_hadamard, add_input_rotation, add_output_rotation
 from .ops.hadamard import hadamard_factor, hadamard_matrix
 from .nn import RMSNorm
@@ -56,7 +57,8 @@ from .verify import CENTERED_OUTPUTS
 
 __all__ = ["apply_rotation", "rotation_of", "unrotate_outputs", "stream_rotations", "add_online_hadamard",
            "mlp_down_projections", "attention_output_projections", "add_attention_online_hadamard",
-           "HEAD_LAYOUTS", "HeadLayout", "head_rotation", "rotate_value_output"]
+           "HEAD_LAYOUTS", "HeadLayout", "head_rotation", "rotate_value_output", "QK_LAYOUTS", "QKLayout",
+           "rotate_query_key"]
 
 def _refuse(why: str) -> UnsupportedConversionError:
     return UnsupportedConversionError(f"cannot rotate this model exactly: {why}")
@@ -236,7 +238,8 @@ def apply_rotation(model: nn.Module, plan: ConversionPlan, options: ConvertOptio
     """Pre-LN -> rotated Pre-RMSNorm on `model` in place (see the module docstring); `online`: also an
     online Hadamard before each MLP down-projection (`add_online_hadamard`); `attention`: "vo" the per-head
     value/output rotation (`rotate_value_output`), "online" the attention-output Hadamard
-    (`add_attention_online_hadamard`), "both"."""
+    (`add_attention_online_hadamard`), "both"; "qk" the per-head query/key rotation (`rotate_query_key`), "all"
+    the three."""
     if kind not in algebra.rotation.KINDS:
         raise UnsupportedConversionError(f"unknown rotation {kind!r}; choose one of {', '.join(algebra.rotation.KINDS)}")
     points = rotation_points(plan)
@@ -296,10 +299,12 @@ def apply_rotation(model: nn.Module, plan: ConversionPlan, options: ConvertOptio
             done = add_online_hadamard(model, mlp_down_projections(model, report), report)
             report.notes.append(f"online Hadamard before {len(done)} MLP down-projection(s) (fast Walsh-Hadamard "
                                 "op on their input, weights rotated to match): load with normfold.load")
-        if attention in ("vo", "both"):
+        if attention in ("vo", "both", "all"):
             rotate_value_output(model, report, seed)
-        if attention in ("online", "both"):
+        if attention in ("online", "both", "all"):
             add_attention_online_hadamard(model, report)
+        if attention in ("qk", "all"):
+            rotate_query_key(model, report, seed)
     finally:
         model.to(dtype)
 
@@ -440,13 +445,7 @@ HEAD_LAYOUTS: dict[str, HeadLayout] = {
 }
 
 
-def head_rotation(hd: int, seed: int = 0) -> tuple[Tensor, str]:
-    """An orthogonal hd × hd matrix: a Hadamard with random signs, D·H/√hd, where hd has a construction, else a
-    seeded random orthogonal matrix. Float64."""
-    if hadamard_factor(hd):
-        return algebra.rotation.random_signs(hd, seed)[:, None] * hadamard_matrix(hd).to(torch.float64) / hd ** 0.5, \
-            "randomized Hadamard"
-    return algebra.rotation.random_orthogonal(hd, seed), "random orthogonal"
+head_rotation = algebra.rotation.head_rotation  # (hd, seed) -> (hd × hd orthogonal, construction)
 
 
 def _rotate_features(t: Tensor, axis: int, index: Tensor, h: Tensor) -> Tensor:
@@ -508,6 +507,149 @@ def rotate_value_output(model: nn.Module, report: ConversionReport | None = None
             report.structure.rotation["value_output"] = info
         report.notes.append(f"value/output projections rotated per head ({construction} {hd}×{hd}, seed {seed}, "
                             f"{len(done)} layer(s)): in the weights only, exact")
+    return done
+
+
+# ---- the query/key pair: a per-head rotation of the keys for a quantized KV cache (QuaRot) ---------------------
+
+@dataclass(frozen=True)
+class QKLayout:
+    """Where one family keeps an attention's queries and keys (under the attention module of its `HeadLayout`).
+    `q`, `k`: the modules holding them (the same one for a fused QKV); `query_index(heads, kv, hd)`: Q's output
+    features per head, (heads, hd); `key_index`: K's per KV head, (kv, hd); `rotary(config)`: whether the
+    positions rotate q and k after the projections (then R goes after them, at run time)."""
+
+    q: str
+    k: str
+    query_index: Callable | None
+    key_index: Callable | None
+    rotary: Callable
+
+
+def _never(cfg) -> bool:
+    return False
+
+
+def _always(cfg) -> bool:
+    return True
+
+
+def _q_separate(h, kv, hd):
+    return torch.arange(h * hd).view(h, hd)
+
+
+def _q_interleaved(h, kv, hd):  # [heads, 3, head_dim]: q at 0, k at hd, v at 2·hd
+    return (torch.arange(h) * 3 * hd)[:, None] + torch.arange(hd)
+
+
+def _k_interleaved(h, kv, hd):
+    return (torch.arange(kv) * 3 * hd + hd)[:, None] + torch.arange(hd)
+
+
+def _k_gpt2(h, kv, hd):  # fused Conv1D [Q | K | V]
+    return h * hd + torch.arange(kv * hd).view(kv, hd)
+
+
+def _q_falcon(h, kv, hd):
+    if kv == h:
+        return _q_interleaved(h, kv, hd)
+    per = h // kv + 2  # [kv groups, heads per group + 2, head_dim]: the group's queries, then K, V
+    return ((torch.arange(kv) * per * hd)[:, None] + torch.arange(per - 2) * hd)[..., None].reshape(h, 1) \
+        + torch.arange(hd)
+
+
+def _k_falcon(h, kv, hd):
+    if kv == h:
+        return _k_interleaved(h, kv, hd)
+    per = h // kv + 2
+    return (torch.arange(kv) * per * hd + (per - 2) * hd)[:, None] + torch.arange(hd)
+
+
+QK_LAYOUTS: dict[str, QKLayout] = {
+    "gpt2": QKLayout("c_attn", "c_attn", _q_separate, _k_gpt2, _never),
+    "opt": QKLayout("q_proj", "k_proj", _q_separate, _separate, _never),
+    "gpt_neo": QKLayout("q_proj", "k_proj", _q_separate, _separate, _never),
+    "bloom": QKLayout("query_key_value", "query_key_value", _q_interleaved, _k_interleaved, _never),  # ALiBi
+    "falcon": QKLayout("query_key_value", "query_key_value", _q_falcon, _k_falcon,
+                       lambda cfg: not getattr(cfg, "alibi", False)),
+    "gpt_neox": QKLayout("query_key_value", "query_key_value", None, None, _always),
+    "gptj": QKLayout("q_proj", "k_proj", None, None, _always),
+    "phi": QKLayout("q_proj", "k_proj", None, None, _always),
+}
+
+
+def rotate_query_key(model: nn.Module, report: ConversionReport | None = None, seed: int = 0) -> list[str]:
+    """QuaRot's rotation of the keys for a quantized KV cache: every head's queries and keys ·R (R orthogonal,
+    head_dim × head_dim, `head_rotation(hd, seed)`; one R for every head, so grouped / multi-query keys are
+    rotated once), which leaves q·kᵀ and so the attention exact. Families with learned/absolute positions or
+    ALiBi (GPT-2, OPT, GPT-Neo, BLOOM, Falcon with `alibi`): R goes into Q's and K's output features (weights and
+    biases), nothing is added. Rotary families (GPT-NeoX, GPT-J, Phi, Falcon): the positions act after the
+    projections, so q and k are rotated after them at run time (`nn.attention.add_qk_rotation`, replayed by
+    normfold.load; without it the outputs are the same, only the cached keys are not rotated). Other families
+    are refused. With `report`, records {"seed", "head_dim",
+    "construction", "layers"} (+ "online": the attention paths) in structure.rotation["query_key"] when the stream
+    is rotated. Returns the attention paths done."""
+    cfg = getattr(model, "config", None)
+    family = getattr(cfg, "model_type", None)
+    layout, heads = QK_LAYOUTS.get(family), HEAD_LAYOUTS.get(family)
+    if layout is None or heads is None:
+        raise UnsupportedConversionError(
+            f"the query/key rotation knows where Q and K live for {', '.join(sorted(QK_LAYOUTS))}; not for "
+            f"{family or type(model).__name__!r} (leave out the key rotation, or add a "
+            "normfold.rotate.QK_LAYOUTS entry)")
+    n_heads, kv, hd = heads.heads(cfg)
+    if n_heads % kv:
+        raise UnsupportedConversionError(f"{family}: {n_heads} heads do not split into {kv} KV groups")
+    r, construction = head_rotation(hd, seed)
+    online = bool(layout.rotary(cfg))
+    pattern = re.compile(heads.attention)
+    done = []
+    for path, attn in list(model.named_modules()):
+        if not pattern.search(path) or not hasattr(attn, layout.q) or not hasattr(attn, layout.k):
+            continue
+        if online:
+            try:
+                add_qk_rotation(attn, r.to(working_dtype(attn)))
+            except ValueError as exc:
+                raise UnsupportedConversionError(f"{path}: {exc}") from None
+            done.append(path)
+            continue
+        mods = {}
+        for which, name, index in (("q", layout.q, layout.query_index), ("k", layout.k, layout.key_index)):
+            mod = getattr(attn, name)
+            lay = algebra.layout_of(mod)
+            if lay is None:
+                raise UnsupportedConversionError(f"{path}: {name} is not a linear module")
+            idx = index(n_heads, kv, hd)
+            w = getattr(mod, lay.weight)
+            if int(w.shape[lay.out_dim]) <= int(idx.max()):
+                raise UnsupportedConversionError(f"{path}: the shape of {name} does not match {n_heads} heads of {hd} "
+                                                 f"({kv} KV heads)")
+            mods[which] = (mod, lay, idx)
+        with torch.no_grad():
+            for mod, lay, idx in mods.values():
+                w = getattr(mod, lay.weight)
+                w.copy_(_rotate_features(w, lay.out_dim, idx, r))
+                b = getattr(mod, lay.bias, None) if lay.bias else None
+                if b is not None:
+                    b.copy_(_rotate_features(b, 0, idx, r))
+        done.append(path)
+    if not done:
+        raise UnsupportedConversionError(f"no attention module of the {family} layout found in this model")
+    if report is not None:
+        info = {"seed": int(seed), "head_dim": hd, "construction": construction, "layers": len(done)}
+        if online:
+            info["online"] = list(done)  # the function is the same without it: stock reloading stays as it was
+            report.notes.append(f"queries and keys rotated per head after the rotary positions at run time "
+                                f"({construction} {hd}×{hd}, seed {seed}, {len(done)} layer(s)): exact; normfold.load "
+                                "replays it (stock transformers computes the same outputs without rotating the keys)")
+        else:
+            report.tensors_edited += len({id(m) for p in done for m in (get(model, f"{p}.{layout.q}"),
+                                                                          get(model, f"{p}.{layout.k}"))})
+            report.notes.append(f"query/key projections rotated per head ({construction} {hd}×{hd}, seed {seed}, "
+                                f"{len(done)} layer(s)): in the weights only, exact")
+        if report.structure.rotation:
+            report.structure.rotation["query_key"] = info
     return done
 
 

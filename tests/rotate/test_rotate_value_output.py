@@ -111,7 +111,7 @@ def test_needs_rotate_and_a_known_choice():
     with pytest.raises(normfold.NormfoldError, match="--rotate-attention needs --rotate"):
         normfold.convert(model, rotate_attention="vo")
     with pytest.raises(normfold.NormfoldError, match="unknown attention rotation"):
-        normfold.convert(model, rotate="hadamard", rotate_attention="qk")
+        normfold.convert(model, rotate="hadamard", rotate_attention="xy")
 
 
 def test_cli_rotate_attention(tmp_path, capsys):

@@ -82,6 +82,15 @@ def rotation_matrix(kind: str, d: int, seed: int = 0) -> tuple[Tensor, str]:
 ROW_BLOCK_BYTES = 4 * 1024 * 1024
 
 
+def head_rotation(hd: int, seed: int = 0) -> tuple[Tensor, str]:
+    """An orthogonal hd × hd matrix for one attention head (no all-ones constraint): a Hadamard with random
+    signs, D·H/√hd, where hd has a construction, else a seeded random orthogonal matrix. Float64."""
+    if has_hadamard(hd):
+        return random_signs(hd, seed)[:, None] * hadamard_matrix(hd).to(torch.float64) / hd ** 0.5, \
+            "randomized Hadamard"
+    return random_orthogonal(hd, seed), "random orthogonal"
+
+
 def row_blocks(n: int, d: int) -> list[tuple[int, int]]:
     """[a, b) row ranges of the blocking above for n rows of width d (none of one row unless n == 1)."""
     rows = max(2, ROW_BLOCK_BYTES // 8 // max(1, d))

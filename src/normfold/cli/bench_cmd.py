@@ -43,7 +43,8 @@ suites:
           channels: original vs plain vs rotated (--rotate hadamard) vs rotated + online Hadamard, with
           activation crest factors at the linears' inputs (docs/rotation.md); --gptq: GPTQ vs RTN
           weights (group sizes, clipping searched per layer, online Hadamard on the attention output
-          too) calibrated on --calibration FILE|bundled
+          too) calibrated on --calibration FILE|bundled; --kv: a 4-bit KV cache with and without the
+          value/output and query/key rotations, and W16A4 (4-bit activations on float weights)
   train-speed
           training step time (forward + backward + AdamW) of LayerNorm vs normfold.train-prepared
           models: the bundled model (8x256) and ViT-S/16 (batch 8), eager and torch.compile
@@ -89,7 +90,10 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, help="train: optimizer steps (default 120)")
     p.add_argument("--gptq", action="store_true", help="quant: GPTQ vs round-to-nearest weights with clipping "
                    "search, group sizes, online rotations (writes quant_gptq.*)")
-    p.add_argument("--calibration", metavar="FILE|bundled", help="quant --gptq: calibration text (default "
+    p.add_argument("--kv", action="store_true", help="quant: a 4-bit KV cache (absmax / clipped, with and without "
+                   "the value/output and query/key rotations) and 4-bit activations on float weights (W16A4), "
+                   "with the per-site error against a Gaussian vector's (writes quant_kv.*)")
+    p.add_argument("--calibration", metavar="FILE|bundled", help="quant --gptq / --kv: calibration text (default "
                    "'bundled': KJV verses from the bundled model's training split, disjoint from the evaluation)")
     p.add_argument("--text", metavar="FILE", help="train: KJV text file (default: from Debian's bible-kjv packages)")
     p.add_argument("--no-compile", action="store_true", help="train-speed: eager only")
@@ -205,9 +209,9 @@ def _train(args):
 
 
 def _quant(args):
-    if args.engine and (args.gptq or args.calibration is not None):
-        raise BenchOptionError("'quant --engine' measures the engines' int8 runs; --gptq / --calibration are for the "
-                               "fake-quantized GPTQ comparison: run them separately")
+    if args.engine and (args.gptq or args.kv or args.calibration is not None):
+        raise BenchOptionError("'quant --engine' measures the engines' int8 runs; --gptq / --kv / --calibration are for the "
+                               "fake-quantized comparisons: run them separately")
     if args.engine:
         from ..bench import quant_engine
 
@@ -217,13 +221,20 @@ def _quant(args):
         return rows, paths
     from ..bench import quant
 
+    if args.kv:
+        if args.gptq:
+            raise BenchOptionError("'quant --kv' and 'quant --gptq' write different tables: run them separately")
+        from ..bench import quant_kv
+
+        return quant_kv.run(args.model, args.out, calibration=args.calibration or "bundled", quick=args.quick,
+                            progress=not args.quiet, text=args.text)
     if args.gptq:
         from ..bench import quant_gptq
 
         return quant_gptq.run(args.model, args.out, calibration=args.calibration or "bundled", quick=args.quick,
                               progress=not args.quiet, text=args.text)
     if args.calibration is not None:
-        raise BenchOptionError("--calibration is for 'quant --gptq'")
+        raise BenchOptionError("--calibration is for 'quant --gptq' and 'quant --kv'")
     return quant.run(args.model, args.out, quick=args.quick, progress=not args.quiet, text=args.text)
 
 
@@ -253,12 +264,12 @@ ACCEPTS = {
     "un": {"quick", "rounds", "batches"},
     "train": {"quick", "steps", "text"},
     "train-speed": {"quick", "rounds", "no_compile", "dropout"},
-    "quant": {"model", "quick", "text", "gptq", "calibration", "engine", "rounds"},
+    "quant": {"model", "quick", "text", "gptq", "kv", "calibration", "engine", "rounds"},
     "onnx": {"quick", "rounds"},
 }
 _DEFAULTS = {"model": None, "quick": False, "rounds": None, "device": "cpu", "compile": False, "models": None,
              "batches": None, "dtypes": None, "eager": False, "to": "rmsnorm",
-             "steps": None, "text": None, "gptq": False, "calibration": None, "no_compile": False, "dropout": False,
+             "steps": None, "text": None, "gptq": False, "kv": False, "calibration": None, "no_compile": False, "dropout": False,
              "engine": None}
 
 

@@ -104,14 +104,17 @@ def add_parser(sub) -> None:
     p.add_argument("--rotate-online", action="store_true",
                    help="with --rotate: also rotate the input of every MLP down-projection by a Hadamard at run "
                         "time (exact; for 4-bit activations; the checkpoint then needs normfold.load)")
-    p.add_argument("--rotate-attention", choices=["vo", "online", "both"], default=None,
+    p.add_argument("--rotate-attention", choices=["vo", "online", "both", "qk", "all"], default=None,
                    help="with --rotate: rotations inside attention, exact. vo = each head's values ·H and the "
                         "output projection's rows of that head Hᵀ· (H a randomized head_dim Hadamard, seeded by "
                         "--rotate-seed; weights only, nothing added, stock-reloadable when the rest is; families: "
                         "GPT-2, GPT-Neo, GPT-J, GPT-NeoX, OPT, Phi, Falcon, BLOOM); online = a Hadamard on the "
                         "heads' concatenated output before the output projection at run time (for 4-bit "
-                        "activations there; needs normfold.load); both. online streams (shard by shard); vo and "
-                        "both convert in memory (--stream always refuses them)")
+                        "activations there; needs normfold.load); both; qk = each head's queries and keys ·R "
+                        "(for a 4-bit KV cache: in the Q/K weights for learned positions and ALiBi, after the "
+                        "rotary positions at run time for GPT-NeoX, GPT-J, Phi, Falcon, then needing "
+                        "normfold.load); all = both + qk. online streams (shard by shard); the others convert "
+                        "in memory (--stream always refuses them)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="option of the conversion target, repeatable (--to un: M, M_grad, warmup, alpha, "
                         "outlier_filtration; e.g. --option warmup=500)")

@@ -52,7 +52,7 @@ def blockers(args) -> list[str]:
     for flag, on in (("--inputs", getattr(args, "inputs", None)), ("--text", args.text), ("--auto", args.auto),
                      ("--option", args.option), ("--dry-run", args.dry_run),
                      (f"--rotate-attention {getattr(args, 'rotate_attention', None)}",
-                      getattr(args, "rotate_attention", None) in ("vo", "both"))):
+                      getattr(args, "rotate_attention", None) not in (None, "online"))):
         if on:
             why.append(f"{flag} needs the in-memory model")
     if args.dtype not in ("auto", None):

@@ -164,6 +164,8 @@ def apply_structure(model: nn.Module, structure: Structure, *, real_rotations: b
                 add_input_hadamard(module, int(getattr(module, lay.weight).shape[lay.in_dim]))
             except ValueError as exc:
                 raise CheckpointError(f"normfold.json: online rotation at {path}: {exc}") from None
+        if structure.rotation and structure.rotation.get("query_key", {}).get("online"):
+            _apply_qk_rotation(model, structure.rotation["query_key"])
         for field_name, apply_part in STRUCTURE_PARTS.items():  # e.g. Pre-CRMSNorm's resized writers/readers
             part = getattr(structure, field_name, None)
             if part:
@@ -210,6 +212,32 @@ def _apply_rotation_hooks(model: nn.Module, rotation: dict, real: bool = False) 
             add_input_rotation(module, q)
         else:
             raise CheckpointError(f"normfold.json: explicit rotation at {e.get('path')}: unknown place {e.get('where')!r}")
+
+
+def _apply_qk_rotation(model: nn.Module, info: dict) -> None:
+    """The per-head query/key rotation after the rotary positions (normfold.rotate.rotate_query_key), R rebuilt
+    from head_dim + seed."""
+    from ..algebra.rotation import head_rotation
+    from ..nn.attention import add_qk_rotation
+
+    modules = dict(model.named_modules())
+    try:
+        hd, seed, paths = int(info["head_dim"]), int(info.get("seed", 0)), list(info["online"])
+        if not 0 < hd <= 4096:
+            raise ValueError(f"head_dim {hd}")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"normfold.json: bad query/key rotation record: {exc}") from None
+    ref = next(iter(model.parameters()), None)
+    for path in paths:
+        module = modules.get(str(path))
+        if module is None:
+            raise CheckpointError(f"normfold.json: query/key rotation at {path!r}, which is not a module of this model")
+        with torch.device("cpu"):
+            r, _ = head_rotation(hd, seed)
+        try:
+            add_qk_rotation(module, r.to(ref.dtype if ref is not None and ref.is_floating_point() else torch.float32))
+        except ValueError as exc:
+            raise CheckpointError(f"normfold.json: query/key rotation at {path}: {exc}") from None
 
 
 def apply_tied_heads(model: nn.Module, records: list[dict]) -> None:

@@ -29,7 +29,7 @@ and a writer thread, `writer.write_checkpoint`), and freed tensor memory is reus
 `rotate="hadamard"|"orthogonal"` streams too (`stream/rotation.py`: each component in float64 from read to one
 rounding, the in-memory rotation's own functions; the same bytes), explicit rotation hooks, `rotate_online` and
 `rotate_attention="online"` included (recorded in the structure as the in-memory rotation records them); the
-value/output rotation (`rotate_attention="vo"` / `"both"`) does not stream.
+value/output and query/key rotations (`rotate_attention="vo"`, `"both"`, `"qk"`, `"all"`) do not stream.
 
 The parts: `source` (the checkpoint's headers, the meta model, tensor names), `plan` (edits, components, output
 tensors and files), `compute` (one component's values), `writer` (files written, overlapped with reading and
