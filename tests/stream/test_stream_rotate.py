@@ -466,7 +466,7 @@ def test_rotate_attention_online_streams_equal_to_in_memory(tmp_path, family, he
         _assert_loads_like_in_memory(tmp_path, src)
 
 
-@pytest.mark.parametrize("attention", ["vo", "both"])
+@pytest.mark.parametrize("attention", ["vo", "both", "qk", "all"])
 def test_rotate_attention_vo_does_not_stream(tmp_path, attention):
     src = _source(tmp_path, "gpt2", "GPT2LMHeadModel")
     opts = normfold.ConvertOptions(rotate="hadamard", rotate_attention=attention)
@@ -498,7 +498,14 @@ def test_cli_streams_rotate_attention_online_verified(tmp_path, capsys, monkeypa
         assert report["structure"]["rotation"]["online"]
     a, b = tensors_bytes(tmp_path / "never"), tensors_bytes(tmp_path / "always")
     assert sorted(a) == sorted(b) and [k for k in a if a[k] != b[k]] == []
-    code = main(["convert", str(src), "--rotate", "hadamard", "--rotate-attention", "vo", "--stream", "always",
-                 "--out", str(tmp_path / "vo"), "-q"])
-    err = capsys.readouterr().err
-    assert code == 2 and "--rotate-attention vo" in err and "Traceback" not in err and not (tmp_path / "vo").exists()
+    for attention in ("vo", "qk"):
+        code = main(["convert", str(src), "--rotate", "hadamard", "--rotate-attention", attention, "--stream",
+                     "always", "--out", str(tmp_path / attention), "-q"])
+        err = capsys.readouterr().err
+        assert code == 2 and f"--rotate-attention {attention}" in err and "Traceback" not in err
+        assert not (tmp_path / attention).exists()
+    # --stream auto takes the in-memory conversion for them instead of refusing
+    assert main(["convert", str(src), "--rotate", "hadamard", "--rotate-attention", "qk", "--stream", "auto",
+                 "--out", str(tmp_path / "qk-auto"), "-q", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["verification"]["passed"] is True and report["structure"]["rotation"]["query_key"]
