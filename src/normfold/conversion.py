@@ -21,7 +21,8 @@ from torch import nn
 
 from . import algebra
 from .algebra.rows import CENTER_CHUNK_BYTES, center_rows_in_place  # the streamed conversion's row chunks too
-from .adapters import Adapter, ConversionPlan, NormSite
+from .adapters import Adapter, ConversionPlan, NormSite, adapter_for
+from .adapters.examples import trace_inputs
 from .adapters.base import get, parent_and_leaf
 from .errors import NonFiniteWeightsError, UnsupportedConversionError
 from .options import ConvertOptions, resolve as resolve_options
@@ -29,7 +30,8 @@ from .modelinfo import working_dtype
 from .nn import RMSNorm
 from .nn.hooks import add_input_recenter, add_output_recenter
 from .report import TIE_NOTE, ConversionReport, NormRecord, Structure
-from .verify import CENTERED_OUTPUTS, FinalNorms, verify_conversion
+from .sizes import measure, size_report
+from .verify import CENTERED_OUTPUTS, FinalNorms, check_conversion
 
 Progress = Callable[[str], None]
 
@@ -742,13 +744,10 @@ def new_report(architecture: str, dtype: torch.dtype, layernorms: list[str], ada
                             centered_outputs=list(centered_outputs(plan)), options=options.to_record())
 
 
-def finish_report(report: ConversionReport, layernorms: list[str], converted: nn.Module, plan: ConversionPlan,
-                  before: tuple) -> None:
-    """What a report says once the variant has run (both executors): sizes before (`sizes.measure` of the
-    original) / after and which of the original's LayerNorms `layernorms` were kept."""
-    from .sizes import size_report
-
-    report.size = size_report(before, converted)
+def finish_report(report: ConversionReport, layernorms: list[str], plan: ConversionPlan) -> None:
+    """What a report says once the variant has run (both executors): which of the original's LayerNorms
+    `layernorms` were kept, and why. (Each executor sets `report.size`, `sizes.size_report`, from the sizes it
+    measured before any edit.)"""
     report.kept = kept_norms(layernorms, plan, {r.name for r in report.structure.norms})
 
 
@@ -828,8 +827,11 @@ def convert_by_plan(model: nn.Module, variant: Variant, options: ConvertOptions,
     function below (keywords as `convert`)."""
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
-    adapter, plan, inputs = plan_conversion(model, options, adapter, auto=auto, inputs=inputs, say=say)
-    target, original, report = execute(model, adapter, plan, variant, options, inplace=inplace, keep=verify,
+    # what the steps read of the original, once and before any edit (`inplace` edits it): its sizes (the report)
+    # and the dtype it computes in (the analysis' inputs, the report, the verification)
+    before, dtype = measure(model), working_dtype(model)
+    adapter, plan, inputs = plan_conversion(model, options, adapter, dtype, auto=auto, inputs=inputs, say=say)
+    target, original, report = execute(model, adapter, plan, variant, options, dtype, inplace=inplace, keep=verify,
                                        fast=fast, say=say)
     report.seconds["convert"] = round(time.perf_counter() - t0, 3)
     if not variant.exact:
@@ -837,9 +839,10 @@ def convert_by_plan(model: nn.Module, variant: Variant, options: ConvertOptions,
     elif verify:
         t1 = time.perf_counter()
         say("verifying (float64 and working dtype)")
-        report.verification = verify_step(original, target, adapter, plan, variant, options, report, inputs,
+        report.verification = verify_step(original, target, adapter, plan, variant, options, report, inputs, dtype,
                                           fp64_tol=fp64_tol, consume_original=discard_original and not inplace)
         report.seconds["verify"] = round(time.perf_counter() - t1, 3)
+    report.size = size_report(before, target)  # the converted model is not changed by the verification
     return target, report
 
 
@@ -854,34 +857,35 @@ def conversion_options(options: ConvertOptions | None, **keywords) -> ConvertOpt
     return options.check()  # every rule on combinations; with rotate: fold_final and untie set
 
 
-def plan_conversion(model: nn.Module, options: ConvertOptions, adapter: Adapter | None, *, auto: bool,
-                    inputs: dict | None, say: Progress) -> tuple[Adapter, ConversionPlan, dict | None]:
-    """Step 2: the family's adapter (or the analysis' plan for a model without one, or with `auto`), its checks,
-    and the plan with the tie the options keep (`recentre_tied_tables`). Returns (adapter, plan, inputs as
-    traced)."""
-    if adapter is None:
-        from .analysis.autoplan import resolve  # the analysis' plan when no adapter is registered (or auto=True)
+def plan_conversion(model: nn.Module, options: ConvertOptions, adapter: Adapter | None, dtype: torch.dtype, *,
+                    auto: bool, inputs: dict | None, say: Progress) -> tuple[Adapter, ConversionPlan, dict | None]:
+    """Step 2: the family's adapter (`adapters.adapter_for`), or for a model without one (or with `auto`) the plan
+    the analysis derives from `inputs` (default: made from the config's modality) made as it traces them, floating
+    inputs in `dtype` (`adapters.examples.trace_inputs`); the adapter's checks, and the plan with the tie the
+    options keep (`recentre_tied_tables`). Returns (adapter, plan, inputs as traced)."""
+    if adapter is None and not auto:
+        adapter = adapter_for(model)
+    if adapter is None:  # the analysis' plan: no adapter is registered, or auto=True
+        from .analysis.autoplan import adapter_from_inputs
 
-        adapter, analysis = resolve(model, auto=auto, inputs=inputs, progress=say)
-        if analysis is not None and inputs is not None:
-            inputs = analysis.inputs  # as traced: forward kwargs, floating inputs in the model's dtype
+        traced = trace_inputs(model, inputs, dtype)
+        adapter, _ = adapter_from_inputs(model, traced, progress=say)
+        if inputs is not None:
+            inputs = traced  # as traced: forward kwargs, floating inputs in the model's dtype
     if adapter.check is not None:
         adapter.check(model)
     check_finite(model)
     return adapter, recentre_tied_tables(model, adapter.plan(model), options), inputs
 
 
-def execute(model: nn.Module, adapter: Adapter, plan: ConversionPlan, variant: Variant, options: ConvertOptions, *,
-            inplace: bool, keep: bool, fast: bool, say: Progress) -> tuple[nn.Module, nn.Module, ConversionReport]:
+def execute(model: nn.Module, adapter: Adapter, plan: ConversionPlan, variant: Variant, options: ConvertOptions,
+            dtype: torch.dtype, *, inplace: bool, keep: bool, fast: bool,
+            say: Progress) -> tuple[nn.Module, nn.Module, ConversionReport]:
     """Step 3, the in-memory executor: the variant applies the plan to a copy of `model` (to `model` itself with
-    `inplace`; then a copy of the original is kept if `keep`) and the report is filled. Returns (converted,
-    original, report)."""
-    from .sizes import measure
-
+    `inplace`; then a copy of the original is kept if `keep`) and the report is filled, but for its sizes
+    (`convert_by_plan`). `dtype`: the original's `working_dtype`. Returns (converted, original, report)."""
     warn = _dropout_warning(model)
-    layernorms = layernorm_names(model)
-    # what the report says of the original, read before any edit (`inplace` edits it)
-    before, dtype = measure(model), working_dtype(model)
+    layernorms = layernorm_names(model)  # read before any edit (`inplace` edits `model`)
     report = new_report(type(model).__name__, dtype, layernorms, adapter, plan, options)
     if warn:
         report.warnings.append(warn)
@@ -897,15 +901,15 @@ def execute(model: nn.Module, adapter: Adapter, plan: ConversionPlan, variant: V
 
         fastpath.apply(target)
     target.normfold_report = report  # what the reverse conversions (compress/reverse.py) read back
-    finish_report(report, layernorms, target, plan, before)
+    finish_report(report, layernorms, plan)
     return target, original, report
 
 
 def verify_step(original: nn.Module, target: nn.Module, adapter: Adapter, plan: ConversionPlan, variant: Variant,
-                options: ConvertOptions, report: ConversionReport, inputs: dict | None, *, fp64_tol: float,
-                consume_original: bool) -> dict:
-    """Step 4: float64 exactness (the variant re-applied to a float64 copy) and working-dtype error against the
-    original (`verify.verify_conversion`), on `inputs` or the adapter's example inputs."""
+                options: ConvertOptions, report: ConversionReport, inputs: dict | None, dtype: torch.dtype, *,
+                fp64_tol: float, consume_original: bool) -> dict:
+    """Step 4: float64 exactness (the variant re-applied to a float64 copy) and error in the working dtype `dtype`
+    against the original (`verify.check_conversion`), on `inputs` or the adapter's example inputs."""
     if inputs is None:
         inputs = adapter.example_inputs(original, torch.Generator().manual_seed(0))
 
@@ -916,7 +920,7 @@ def verify_step(original: nn.Module, target: nn.Module, adapter: Adapter, plan: 
         return m.eval()
 
     output_map = variant.output_map(report, plan) if variant.output_map is not None else None
-    return verify_conversion(
-        original, target, inputs, reconvert=reconvert if variant.exact else None, fp64_tol=fp64_tol,
+    return check_conversion(
+        original, target, inputs, dtype=dtype, reconvert=reconvert if variant.exact else None, fp64_tol=fp64_tol,
         centered=centered_outputs(plan), output_map=output_map,
         final_norms=variant.verified_final_norms(report, options), consume_original=consume_original).to_dict()

@@ -367,6 +367,16 @@ def verify_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *
                       fp64_tol: float = 1e-9, skip=(), centered=CENTERED_OUTPUTS,
                       output_map=None, consume_original: bool = False,
                       final_norms: FinalNorms | None = None) -> Verification:
+    """`check_conversion` in the converted model's working dtype (`modelinfo.working_dtype`)."""
+    return check_conversion(original, converted, inputs, dtype=working_dtype(converted), reconvert=reconvert,
+                            fp64_tol=fp64_tol, skip=skip, centered=centered, output_map=output_map,
+                            consume_original=consume_original, final_norms=final_norms)
+
+
+def check_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *, dtype: torch.dtype, reconvert=None,
+                     fp64_tol: float = 1e-9, skip=(), centered=CENTERED_OUTPUTS,
+                     output_map=None, consume_original: bool = False,
+                     final_norms: FinalNorms | None = None) -> Verification:
     """Run the checks described in the module docstring. `reconvert(model_fp64) -> converted_fp64`
     re-applies the conversion in float64 (None for conversions that are not output-equivalent); it
     receives a private float64 copy of the original and may convert it in place. `output_map(name, t)`
@@ -377,9 +387,9 @@ def verify_conversion(original: nn.Module, converted: nn.Module, inputs: dict, *
     `consume_original`: the caller no longer needs `original` (the CLI): the working-dtype runs go first, then
     `original` itself is cast to float64 in place (parameter by parameter, no copy) and handed to `reconvert`,
     so it is left converted, in float64. Same numbers; the peak is the converted model plus one float64 model
-    (3x a float32 checkpoint) instead of that plus the original and a transient float32 copy of it (5x)."""
+    (3x a float32 checkpoint) instead of that plus the original and a transient float32 copy of it (5x).
+    `dtype`: the dtype the converted model computes in (`working_dtype`, read once by the caller)."""
 
-    dtype = working_dtype(converted)
     skip = tuple(skip)
     skip_w: tuple[str, ...] = ()
     lacking_seen: set[str] = set()

@@ -92,7 +92,7 @@ def test_convert_compares_exact_final_outputs(family, head, example, norm, param
     rows = {r["name"] for r in report.verification["working"]["outputs"]}
     assert compared <= rows
 
-    real = conv_mod.verify_conversion
+    real = conv_mod.check_conversion  # what convert() verifies with (verify.verify_conversion given the dtype)
 
     def wrong_final(original, converted, inputs, **kw):  # a conversion that got the final norm's γ/β wrong
         (mod,) = [m for n, m in converted.named_modules() if n == norm or n.endswith("." + norm)]
@@ -101,7 +101,7 @@ def test_convert_compares_exact_final_outputs(family, head, example, norm, param
             p.copy_(_scale(p))
         return real(original, converted, inputs, **kw)
 
-    monkeypatch.setattr(conv_mod, "verify_conversion", wrong_final)
+    monkeypatch.setattr(conv_mod, "check_conversion", wrong_final)
     _, bad = normfold.convert(model, rotate="hadamard")
     assert not bad.verification["passed"]
     failing = {r["name"] for r in bad.verification["working"]["outputs"] if not r["ok"]}

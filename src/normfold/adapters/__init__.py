@@ -71,11 +71,19 @@ def supported_families() -> str:
     return ", ".join(f"{a.display_name} ({', '.join(a.model_types or a.model_classes)})" for a in list_adapters())
 
 
-def find_adapter(model: nn.Module) -> Adapter:
-    """The adapter for `model`, or UnsupportedModelError listing what is supported."""
+def adapter_for(model: nn.Module) -> Adapter | None:
+    """The registered adapter for `model`, or None when no family matches."""
     for adapter in list_adapters():
         if adapter.matches(model):
             return adapter
+    return None
+
+
+def find_adapter(model: nn.Module) -> Adapter:
+    """The adapter for `model`, or UnsupportedModelError listing what is supported."""
+    adapter = adapter_for(model)
+    if adapter is not None:
+        return adapter
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     what = type(model).__name__ + (f" (model_type {model_type!r})" if model_type else "")
     raise UnsupportedModelError(
@@ -114,6 +122,6 @@ def get_adapter(name: str) -> Adapter:
 
 __all__ = [
     "Adapter", "BlockTemplate", "Capabilities", "ConversionPlan", "KeptNorm", "NormSite", "StreamPlan",
-    "StreamTemplate", "template_adapter", "register_adapter", "list_adapters", "find_adapter", "get_adapter",
-    "supported_families", "example_inputs", "FAMILIES", "Family", "get_family", "family_examples",
+    "StreamTemplate", "template_adapter", "register_adapter", "list_adapters", "adapter_for", "find_adapter",
+    "get_adapter", "supported_families", "example_inputs", "FAMILIES", "Family", "get_family", "family_examples",
 ]

@@ -17,32 +17,12 @@ import os
 from dataclasses import replace
 from typing import Callable
 
-import torch
 from torch import nn
 
 from ..adapters import Adapter, find_adapter
+from ..adapters.examples import modality_inputs, trace_inputs  # noqa: F401  (modality_inputs: its old home)
 from ..errors import NormfoldError, UnsupportedModelError
 from ..modelinfo import working_dtype
-
-
-def modality_inputs(model: nn.Module, seed: int = 0) -> dict:
-    """Trace/verification inputs built from the model's config (no adapter consulted): token ids for
-    text models, pixel values at the config's image size for vision models, log-mel features for audio
-    models; plus a fixed `noise` for models that draw random masks in forward (ViTMAE), so the original
-    and the converted model see the same mask."""
-    from ..adapters.examples import config_inputs, forward_params
-
-    g = torch.Generator().manual_seed(seed)
-    inputs = config_inputs(model, g)
-    params = forward_params(model)
-    cfg = getattr(model, "config", None)
-    if "noise" in params and "pixel_values" in inputs and hasattr(cfg, "mask_ratio"):
-        px = inputs["pixel_values"]
-        patch = getattr(cfg, "patch_size", 16)
-        ph, pw = (patch, patch) if isinstance(patch, int) else tuple(patch)
-        n = (px.shape[-2] // ph) * (px.shape[-1] // pw)
-        inputs["noise"] = torch.rand(px.shape[0], n, generator=g)
-    return inputs
 
 
 def load_inputs(path: str | os.PathLike) -> dict:
@@ -64,14 +44,17 @@ def derive_adapter(model: nn.Module, inputs: dict | None = None, *, seed: int = 
                    progress: Callable[[str], None] | None = None, **analyze_options):
     """(Adapter, AnalysisReport): the plan `normfold.analyze` derives for `model`, traced on `inputs`
     (default: `modality_inputs`). Raises UnsupportedModelError when no LayerNorm can be converted."""
+    # traced as normfold.verify runs the model: floats in its dtype, hidden states (outputs too), no cache
+    return adapter_from_inputs(model, trace_inputs(model, inputs, working_dtype(model), seed), progress=progress,
+                               **analyze_options)
+
+
+def adapter_from_inputs(model: nn.Module, inputs: dict, *, progress: Callable[[str], None] | None = None,
+                        **analyze_options):
+    """`derive_adapter` on inputs already made as the analysis traces them (`adapters.examples.trace_inputs`)."""
     from . import analyze_inputs
-    from .trace import run_kwargs
 
     say = progress or (lambda msg: None)
-    if inputs is None:
-        inputs = modality_inputs(model, seed)
-    # traced as normfold.verify runs the model: floats in its dtype, hidden states (outputs too), no cache
-    inputs = run_kwargs(model, inputs, working_dtype(model))
     say(f"no adapter for {type(model).__name__}: deriving the plan from the analysis")
     report = analyze_inputs(model, inputs, progress=say, **analyze_options)
     if "recenter" not in analyze_options and len(report.foldable) < report.total:

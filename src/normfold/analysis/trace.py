@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..adapters import example_inputs as adapter_examples
-from ..adapters.examples import INPUT_BUILDERS, forward_params
+from ..adapters.examples import INPUT_BUILDERS, as_kwargs, forward_params, run_kwargs
 from ..adapters.examples import config_inputs as generic_inputs
 from ..errors import NormfoldError, UntraceableModelError, first_line
 from .graph import Graph, from_export, from_fx
@@ -97,36 +97,6 @@ def example_inputs(model: nn.Module, seed: int = 0) -> dict:
 
     # an adapter's float inputs may be float32
     return run_kwargs(model, adapter_examples(model, torch.Generator().manual_seed(seed)), working_dtype(model))
-
-
-def run_kwargs(model: nn.Module, inputs, dtype: torch.dtype) -> dict:
-    """`inputs` (see `as_kwargs`) as the forward keyword arguments normfold.verify runs the model with: floating
-    inputs in `dtype` (the model's `working_dtype`), hidden states asked for (a final norm's output is one of
-    them) and no cache, unless `inputs` says otherwise."""
-    from ..forward import accepts, cast_inputs
-
-    kwargs = as_kwargs(model, inputs)
-    if "use_cache" in forward_params(model):
-        kwargs.setdefault("use_cache", False)
-    if accepts(model, "output_hidden_states"):
-        kwargs.setdefault("output_hidden_states", True)
-    return cast_inputs(kwargs, dtype)
-
-
-def as_kwargs(model: nn.Module, inputs) -> dict:
-    """Accept a dict of forward kwargs, or a tensor / tuple of tensors for the first positional params."""
-    if isinstance(inputs, dict):
-        return dict(inputs)
-    if isinstance(inputs, torch.Tensor):
-        inputs = (inputs,)
-    if isinstance(inputs, (tuple, list)):
-        names = [n for n, p in forward_params(model).items()
-                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        if len(inputs) > len(names):
-            raise NormfoldError(f"{type(model).__name__}.forward takes {len(names)} positional inputs, "
-                                f"got {len(inputs)}")
-        return dict(zip(names, inputs))
-    raise NormfoldError(f"inputs must be a dict of forward() keyword arguments or tensors, not {type(inputs).__name__}")
 
 
 # ---- output names ---------------------------------------------------------------------------------------

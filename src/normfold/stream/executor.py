@@ -188,7 +188,7 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     say(f"{type(original).__name__}, {dtype}, {len(source.shards)} shard(s), adapter {adapter.display_name}")
 
     # pass 1: the structure and the report, by the variant's own apply, on meta tensors
-    from ..sizes import measure
+    from ..sizes import measure, size_report
 
     structure_model = copy.deepcopy(original)
     layernorms = layernorm_names(original)
@@ -203,7 +203,8 @@ def stream_convert(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     values = checkpoint_values(structure_model, plan, names, source, options)
     variant.apply(structure_model, dataclasses.replace(plan, values=values), options, report)
     structure_model.eval()
-    finish_report(report, layernorms, structure_model, plan, before)
+    report.size = size_report(before, structure_model)
+    finish_report(report, layernorms, plan)
     report.source = {"model": str(source_dir), "architecture": type(original).__name__,
                      "model_type": getattr(original.config, "model_type", None), "path": str(source_dir)}
     report.notes.append("converted shard by shard from the safetensors files (normfold.stream)")
