@@ -38,9 +38,9 @@ examples:
   normfold export ./gpt2-rms --onnx gpt2-rms.onnx --opset 18       decomposed norms (older runtimes)
   normfold export ./gpt2-rms --onnx gpt2-rms.onnx --original ./my-gpt2 --optimize
   normfold export ./gpt2-rms --ctranslate2 ./gpt2-rms-ct2 --quantization int8
-  normfold export ./gpt2-rms --ctranslate2 ./ct2-gptq --quantization int8 --int-weights gptq-reduced \
+  normfold export ./gpt2-rms --ctranslate2 ./ct2-gptq --quantization int8 --int-weights gptq-reduced \\
       --calibration calib.txt                                    GPTQ int8 rows within ±63
-  normfold export ./gpt2-rms --onnx m-int4.onnx --quantize int4 --int-weights gptq --calibration calib.txt \
+  normfold export ./gpt2-rms --onnx m-int4.onnx --quantize int4 --int-weights gptq --calibration calib.txt \\
       --block-size 64 --asymmetric                               GPTQ 4-bit weights in MatMulNBits
 
 integer weights (--int-weights WHO):
