@@ -161,7 +161,7 @@ def evaluate_gptq(runner, name: str, original, model_dir, inputs, cal, say, lm: 
     onnxruntime int4 MatMulNBits (GPTQ beside onnxruntime's own MatMulNBitsQuantizer and normfold's RTN, blocks
     of 32, symmetric), all against the engine's own int8 of the original."""
     from ..conversion import convert
-    from ..engines.intweights import gptq_model
+    from ..engines.intweights import gptq_model, tied_head
     from ..quant import from_quantized
 
     forms, types = {}, {}
@@ -173,7 +173,10 @@ def evaluate_gptq(runner, name: str, original, model_dir, inputs, cal, say, lm: 
 
     def gptq(model, bits, group):
         t = time.perf_counter()
-        res = gptq_model(model, cal, bits=bits, group_size=group)
+        # int4: a head tied to the embedding stays float, as in the RTN forms (its ONNX weight is the embedding's
+        # transpose, not a constant MatMulNBits can take); int8: every linear, as the engine's own rounding
+        head = tied_head(model) if bits == 4 else None
+        res = gptq_model(model, cal, bits=bits, group_size=group, skip=[head] if head else [])
         say(f"  GPTQ {bits}-bit: {time.perf_counter() - t:.0f} s")
         return res
 

@@ -230,7 +230,11 @@ def run(args) -> int:
     if args.int_weights == "gptq":
         from .export_int import gptq
 
-        gptq_res = gptq(args, model, steps, bits=4, group_size=args.block_size, symmetric=not args.asymmetric)
+        from ..engines.intweights import tied_head
+
+        head = tied_head(model)  # stays float, as in the RTN int4 file (its weight is the embedding's transpose)
+        gptq_res = gptq(args, model, steps, bits=4, group_size=args.block_size, symmetric=not args.asymmetric,
+                        skip=[head] if head else [])
         model, args.gptq_table = gptq_res.model, gptq_res.table  # exported: the dequantized GPTQ weights
     centered = tuple(getattr(report, "centered_outputs", None) or ()) or CENTERED_OUTPUTS
     info, got, want = _export_checked(model, inputs, out, args, steps, "model")

@@ -74,7 +74,7 @@ def calibration_batches(args):
                                     f"{str(exc)[:200]}); give --calibration FILE") from None
 
 
-def gptq(args, model, steps, *, bits: int, group_size: int | None, symmetric: bool):
+def gptq(args, model, steps, *, bits: int, group_size: int | None, symmetric: bool, skip=()):
     """GPTQ of a copy of `model` on the calibration text: a `normfold.engines.intweights.GptqResult`."""
     from ..engines.intweights import gptq_model
     from ..quant.gptq import DEFAULT_CLIP_GRID
@@ -83,7 +83,7 @@ def gptq(args, model, steps, *, bits: int, group_size: int | None, symmetric: bo
     tokens = sum(int(b.numel()) for b in batches)
     steps.start("gptq", f"GPTQ {bits}-bit weights on {tokens} calibration tokens ({args.calibration})")
     return gptq_model(model, batches, bits=bits, group_size=group_size, symmetric=symmetric,
-                      clip=DEFAULT_CLIP_GRID if args.weight_clip else None, say=None)
+                      clip=DEFAULT_CLIP_GRID if args.weight_clip else None, skip=skip, say=None)
 
 
 def gptq_summary(res, args, bits: int, group_size: int | None, symmetric: bool) -> dict:
@@ -92,6 +92,7 @@ def gptq_summary(res, args, bits: int, group_size: int | None, symmetric: bool) 
     return {"method": args.int_weights, "bits": bits, "group_size": group_size, "symmetric": symmetric,
             "weight_clip": bool(args.weight_clip), "act_order": True, "calibration": args.calibration,
             "calibration_windows": args.calibration_windows,
+            "float_layers": list(getattr(res, "skipped", [])),
             "per_row_layers": sorted(n for n, q in res.weights.items() if group_size and q.group_size is None),
             "objective_vs_rtn": objective_summary(res.objectives)}
 
@@ -105,6 +106,9 @@ def print_gptq(g: dict) -> None:
     if o.get("layers"):
         print(f"  GPTQ layer error ‖XWᵀ − XŴᵀ‖² / round-to-nearest's: median {o['ratio_median']:.3f}, "
               f"max {o['ratio_max']:.3f} ({o['below_rtn']} of {o['layers']} layers at or below)")
+    if g["float_layers"]:
+        print(f"  left float: {', '.join(g['float_layers'])} (a head tied to the embedding, as in the "
+              "round-to-nearest int4 export)")
     if g["per_row_layers"]:
         print(f"  one scale per output row (input width not a multiple of {g['group_size']}): "
               f"{len(g['per_row_layers'])} linears")

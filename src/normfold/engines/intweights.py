@@ -33,6 +33,7 @@ class GptqResult:
     table: RowTable
     weights: dict[str, QuantizedWeight]  # path → (out, in) levels / scales / zero points
     objectives: dict[str, tuple[float, float]]  # path → (GPTQ objective, RTN objective) on the same Hessian
+    skipped: list[str]  # paths left float
 
 
 class RowTable:
@@ -78,9 +79,9 @@ def calibration_forward(model: nn.Module) -> None:
 
 def gptq_model(model: nn.Module, batches: list[Tensor], *, bits: int, group_size: int | None = None,
                symmetric: bool = True, clip=None, act_order: bool = True, damp: float = 0.01,
-               say=None) -> GptqResult:
+               skip=(), say=None) -> GptqResult:
     """GPTQ of every linear of a copy of `model` (LM head included; a head tied to the embedding is untied,
-    the embedding stays float) on the calibration `batches` of token ids [batch, seq]."""
+    the embedding stays float; `skip`: paths left float) on the calibration `batches` of token ids [batch, seq]."""
     import copy
 
     calibration_forward(model)
@@ -101,8 +102,16 @@ def gptq_model(model: nn.Module, batches: list[Tensor], *, bits: int, group_size
     objectives: dict[str, tuple[float, float]] = {}
     weights = quantize_model(qmodel, batches, method="gptq", bits=bits, group_size=group_size,
                              symmetric=symmetric, act_order=act_order, damp=damp, clip=clip, say=say,
-                             objectives=objectives)
-    return GptqResult(qmodel, RowTable(weights), weights, objectives)
+                             objectives=objectives, skip=skip)
+    return GptqResult(qmodel, RowTable(weights), weights, objectives, [s for s in skip if s])
+
+
+def tied_head(model: nn.Module) -> str | None:
+    """The path of an output projection that shares the input embedding's weight, or None."""
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    if out is None or inp is None or out.weight is not inp.weight:
+        return None
+    return next(n for n, m in model.named_modules() if m is out)
 
 
 def objective_summary(objectives: dict[str, tuple[float, float]]) -> dict:
@@ -116,4 +125,4 @@ def objective_summary(objectives: dict[str, tuple[float, float]]) -> dict:
             "below_rtn": sum(g <= r for g, r in objectives.values())}
 
 
-__all__ = ["RowTable", "GptqResult", "IntWeightsError", "gptq_model", "objective_summary"]
+__all__ = ["RowTable", "GptqResult", "IntWeightsError", "gptq_model", "objective_summary", "tied_head"]
