@@ -52,9 +52,9 @@ integer weights (--int-weights WHO):
   gptq              GPTQ (Frantar et al., arXiv:2210.17323): each column's rounding error is compensated
                     on the columns not yet rounded, using the inverse Hessian X^T X of the layer's inputs
                     on --calibration text; layer by layer (each block calibrated on the blocks before it
-                    already quantized), act-order, every linear including the LM head. CTranslate2 int8:
-                    one scale per output row, ±127; ONNX int4 (--quantize int4): MatMulNBits blocks of
-                    --block-size columns, symmetric or --asymmetric. The integers in the file are GPTQ's
+                    already quantized), act-order, every linear (ONNX: a tied head stays float).
+                    CTranslate2 int8: one scale per output row, ±127; ONNX int4 (--quantize int4):
+                    MatMulNBits blocks of --block-size columns, symmetric or --asymmetric. The integers in the file are GPTQ's
                     own levels; the export prints GPTQ's layer error against round-to-nearest's and the
                     engine's output against the model with the dequantized weights
   gptq-reduced      CTranslate2 int8: GPTQ on the ±63 grid (no int16 saturation, as normfold-reduced)
