@@ -39,3 +39,31 @@ def test_engine_suite_writes_tables(engine, tmp_path):
     assert any(s["form"] == "stock (A/A)" for s in speed)
     with open(paths["csv"]) as f:
         assert len(list(csv.DictReader(f))) == len(rows)
+
+
+@pytest.mark.parametrize("engine", ["ctranslate2", pytest.param("onnxruntime", marks=pytest.mark.slow)])
+def test_engine_suite_gptq_rows(engine, tmp_path):
+    """`bench quant --engine E --gptq`: the GPTQ forms are measured beside the engine's own and normfold's RTN ones,
+    written as quant_<engine>_gptq.* (the int8 tables stay as they are)."""
+    pytest.importorskip(engine)
+    if engine == "onnxruntime":
+        pytest.importorskip("onnxscript")
+    from normfold.bench import quant_engine
+    from normfold.bench.train import DEB_CACHE
+
+    if not list(DEB_CACHE.glob("bible-kjv*.deb")) if DEB_CACHE.is_dir() else True:
+        pytest.skip("no KJV text for the bundled calibration")
+    rows, speed, paths = quant_engine.run(engine, None, tmp_path, inputs=2, ctx=64, rounds=1, progress=False,
+                                          gptq=True, cal_windows=1)
+    forms = {r["form"] for r in rows}
+    if engine == "ctranslate2":
+        want = {"stock", "plain+gptq", "rotated+gptq", "plain+gptq-reduced", "rotated+gptq-reduced", "rotated+reduced"}
+    else:
+        want = {"stock", "stock-int4", "plain-int4-rtn", "plain-int4-gptq", "rotated-int4-gptq", "original-int4-gptq"}
+    assert want <= forms
+    assert paths["csv"].endswith(f"quant_{engine}_gptq.csv") if isinstance(paths["csv"], str) else \
+        paths["csv"].name == f"quant_{engine}_gptq.csv"
+    for r in rows:
+        assert r["kl_mean"] >= 0 and r["bytes"] > 0
+        if r["form"] == "stock":
+            assert r["kl_ratio_median"] == 1.0 and r["type"] == "int8"

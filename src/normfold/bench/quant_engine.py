@@ -91,17 +91,24 @@ class OrtRunner:
     def __init__(self, tmp: Path, qtype: str):
         self.tmp, self.qtype = tmp, qtype
 
-    def build(self, name: str, model, report=None, model_dir=None, stock=False, own=None):
+    def build(self, name: str, model, report=None, model_dir=None, stock=False, own=None, qtype=None):
+        """`qtype` "int4": MatMulNBits with `own` = "ort" (onnxruntime's MatMulNBitsQuantizer on the file, RTN),
+        a callable (GPTQ's row table) or None (normfold's round to nearest), blocks of 32, symmetric."""
         from .. import deploy
         from ..engines import ort_quant
 
+        qtype = qtype or self.qtype
         path = self.tmp / f"ort-{name}.onnx"
         example = {"input_ids": torch.zeros(1, 16, dtype=torch.long)}
         info = deploy.export_onnx(model, example, path)
-        if self.qtype == "int8":
+        if qtype == "int8":
             ort_quant.quantize_file(path, "int8", reduce_range=own == "rtn-reduced")
-        elif self.qtype == "int4":
-            ort_quant.quantize_file(path, "int4")
+        elif qtype == "int4" and own == "ort":
+            tmp = path.with_name(path.stem + ".ort4.onnx")
+            ort_quant.quantize_int4_onnxruntime(path, tmp, block_size=32, symmetric=True)
+            tmp.replace(path)
+        elif qtype == "int4":
+            ort_quant.quantize_file(path, "int4", **({} if own is None else {"weights": own}))
         sess = deploy.session(path, threads=1)
         return {"path": path, "sess": sess, "info": info, "bytes": path.stat().st_size}
 
@@ -146,6 +153,63 @@ def evaluate(runner, name: str, original, model_dir, inputs, say, lm: bool, roun
         forms["stock+reduced"] = runner.build(f"{name}-stock-red", original, None, own="rtn-reduced")
         forms["plain+reduced"] = runner.build(f"{name}-plain-red", plain.eval(), rep, own="rtn-reduced")
         forms["rotated+reduced"] = runner.build(f"{name}-rotated-red", rot.eval(), rrep, own="rtn-reduced")
+    return score(runner, name, forms, original, model_dir, inputs, say, lm, rounds)
+
+
+def evaluate_gptq(runner, name: str, original, model_dir, inputs, cal, say, lm: bool, rounds: int):
+    """The GPTQ rows: CTranslate2 int8 (GPTQ rows ±127 and ±63 beside the engine's and normfold's RTN rows);
+    onnxruntime int4 MatMulNBits (GPTQ beside onnxruntime's own MatMulNBitsQuantizer and normfold's RTN, blocks
+    of 32, symmetric), all against the engine's own int8 of the original."""
+    from ..conversion import convert
+    from ..engines.intweights import gptq_model, tied_head
+    from ..quant import from_quantized
+
+    forms, types = {}, {}
+    say(f"{runner.engine} {name}: stock (int8)")
+    forms["stock"] = runner.build(f"{name}-stock", original, None, model_dir, stock=True)
+    plain, rep = convert(original, verify=False)
+    rot, rrep = convert(original, rotate="hadamard", verify=False)
+    variants = {"plain": (plain.eval(), rep), "rotated": (rot.eval(), rrep)}
+
+    def gptq(model, bits, group):
+        t = time.perf_counter()
+        # int4: a head tied to the embedding stays float, as in the RTN forms (its ONNX weight is the embedding's
+        # transpose, not a constant MatMulNBits can take); int8: every linear, as the engine's own rounding
+        head = tied_head(model) if bits == 4 else None
+        res = gptq_model(model, cal, bits=bits, group_size=group, skip=[head] if head else [])
+        say(f"  GPTQ {bits}-bit: {time.perf_counter() - t:.0f} s")
+        return res
+
+    if runner.engine == "ctranslate2":
+        for form, (m, r) in variants.items():
+            say(f"{runner.engine} {name}: {form} (engine rounding, RTN ±63, GPTQ ±127, GPTQ ±63)")
+            forms[form] = runner.build(f"{name}-{form}", m, r)
+            forms[f"{form}+reduced"] = runner.build(f"{name}-{form}-red", m, r, own="rtn-reduced")
+            for suffix, bits in (("gptq", 8), ("gptq-reduced", 7)):
+                res = gptq(m, bits, None)
+                forms[f"{form}+{suffix}"] = runner.build(f"{name}-{form}-{suffix}", res.model, r,
+                                                         own=lambda w, _t=res.table: from_quantized(_t.lookup(w)))
+        types = {f: "int8" for f in forms}
+    else:
+        say(f"{runner.engine} {name}: int4 stock (onnxruntime MatMulNBitsQuantizer)")
+        forms["stock-int4"] = runner.build(f"{name}-stock4", original, None, own="ort", qtype="int4")
+        res = gptq(original, 4, 32)
+        forms["original-int4-gptq"] = runner.build(f"{name}-orig4g", res.model, None, own=res.table.lookup,
+                                                   qtype="int4")
+        for form, (m, r) in variants.items():
+            say(f"{runner.engine} {name}: {form} int4 (RTN, GPTQ)")
+            forms[f"{form}-int4-rtn"] = runner.build(f"{name}-{form}4", m, r, qtype="int4")
+            res = gptq(m, 4, 32)
+            forms[f"{form}-int4-gptq"] = runner.build(f"{name}-{form}4g", res.model, r, own=res.table.lookup,
+                                                      qtype="int4")
+        types = {f: "int8" if f == "stock" else "int4" for f in forms}
+    rows, speed = score(runner, name, forms, original, model_dir, inputs, say, lm, rounds)
+    for r in rows + speed:
+        r["type"] = types.get(r["form"], "int8")
+    return rows, speed
+
+
+def score(runner, name: str, forms: dict, original, model_dir, inputs, say, lm: bool, rounds: int):
     with torch.no_grad():
         refs = [original(input_ids=ids, use_cache=False).logits.float() for ids in inputs]
     greedy = _greedy_paths(original, inputs)
@@ -204,7 +268,11 @@ def _summary(rows, speed) -> str:
 
 
 def run(engine: str, model_dir, out_dir, *, inputs: int = 24, ctx: int = 128, qtype: str = "int8",
-        progress: bool = True, rounds: int = 15, text=None):
+        progress: bool = True, rounds: int = 15, text=None, gptq: bool = False, calibration: str = "bundled",
+        cal_windows: int = 16):
+    """`gptq`: the GPTQ rows (`evaluate_gptq`), calibrated on `calibration` ("bundled": KJV chapters of the
+    training split, disjoint from the held-out evaluation windows; or a text file), written as
+    quant_<engine>_gptq.*."""
     import sys
 
     from ..io import load_source
@@ -220,7 +288,20 @@ def run(engine: str, model_dir, out_dir, *, inputs: int = 24, ctx: int = 128, qt
     name = Path(str(model_dir)).name
     tmp = Path(tempfile.mkdtemp(prefix="normfold-bench-engine-"))
     runner = (Ct2Runner if engine == "ctranslate2" else OrtRunner)(tmp, qtype)
-    rows, speed = evaluate(runner, name, model, model_dir, batches, say, lm=True, rounds=rounds)
+    cal = None
+    if gptq:
+        from .quant_gptq import calibration_batches
+
+        cal = calibration_batches(calibration, None if calibration == "bundled" else model_dir, windows=cal_windows,
+                                  text=text)
+
+    def ev(runner, name, original, model_dir, inputs, say, lm, rounds):
+        if not gptq:
+            return evaluate(runner, name, original, model_dir, inputs, say, lm, rounds)
+        c = [b.clamp_max(int(original.config.vocab_size) - 1) for b in cal]
+        return evaluate_gptq(runner, name, original, model_dir, inputs, c, say, lm, rounds)
+
+    rows, speed = ev(runner, name, model, model_dir, batches, say, True, rounds)
     vocab = int(model.config.vocab_size)
     out_model = outlier_gpt2(vocab=max(vocab, 2048))
     out_dir_model = None
@@ -230,9 +311,8 @@ def run(engine: str, model_dir, out_dir, *, inputs: int = 24, ctx: int = 128, qt
         for f in Path(model_dir).iterdir():
             if f.name.startswith("tokenizer"):
                 (out_dir_model / f.name).write_bytes(f.read_bytes())
-    r2, s2 = evaluate(runner, "outlier-gpt2", out_model, out_dir_model,
-                      [b.clamp_max(int(out_model.config.vocab_size) - 1) for b in batches], say, lm=False,
-                      rounds=rounds)
+    r2, s2 = ev(runner, "outlier-gpt2", out_model, out_dir_model,
+                [b.clamp_max(int(out_model.config.vocab_size) - 1) for b in batches], say, False, rounds)
     rows += r2
     speed += s2
     machine = machine_info()
@@ -245,10 +325,15 @@ def run(engine: str, model_dir, out_dir, *, inputs: int = 24, ctx: int = 128, qt
     except Exception:
         pass
     extra = _summary(rows, speed)
-    paths = write(rows, f"quant_{engine}", out_dir, machine, COLUMNS,
+    stem = f"quant_{engine}" + ("_gptq" if gptq else "")
+    if gptq:
+        machine["calibration"] = calibration
+        machine["calibration_tokens"] = int(sum(b.numel() for b in cal))
+        qtype = "int8" if engine == "ctranslate2" else "int4 (and int8 stock)"
+    paths = write(rows, stem, out_dir, machine, COLUMNS,
                   f"{engine} {qtype}: teacher-forced KL to the float32 original, {inputs} held-out KJV windows of "
                   f"{ctx} tokens, paired per input against the engine's own conversion of the original", extra=extra)
-    sp = write(speed, f"quant_{engine}_speed", out_dir, machine, SPEED_COLUMNS,
+    sp = write(speed, f"{stem}_speed", out_dir, machine, SPEED_COLUMNS,
                f"{engine} {qtype}: one {ctx}-token forward, 1 thread, interleaved rounds, paired to stock")
     paths["speed_csv"] = sp["csv"]
     return rows, speed, paths

@@ -89,7 +89,8 @@ def add_parser(sub) -> None:
                         "conversion of the original (instead of fake quantization)")
     p.add_argument("--steps", type=int, help="train: optimizer steps (default 120)")
     p.add_argument("--gptq", action="store_true", help="quant: GPTQ vs round-to-nearest weights with clipping "
-                   "search, group sizes, online rotations (writes quant_gptq.*)")
+                   "search, group sizes, online rotations (writes quant_gptq.*); with --engine: GPTQ's integer "
+                   "weights in the engine (CTranslate2 int8 rows, onnxruntime int4 MatMulNBits; quant_<engine>_gptq.*)")
     p.add_argument("--kv", action="store_true", help="quant: a 4-bit KV cache (absmax / clipped, with and without "
                    "the value/output and query/key rotations) and 4-bit activations on float weights (W16A4), "
                    "with the per-site error against a Gaussian vector's (writes quant_kv.*)")
@@ -209,15 +210,19 @@ def _train(args):
 
 
 def _quant(args):
-    if args.engine and (args.gptq or args.kv or args.calibration is not None):
-        raise BenchOptionError("'quant --engine' measures the engines' int8 runs; --gptq / --kv / --calibration are for the "
-                               "fake-quantized comparisons: run them separately")
+    if args.engine and args.kv:
+        raise BenchOptionError("'quant --engine' measures the engines' runs; --kv is a fake-quantized comparison: "
+                               "run it separately")
     if args.engine:
         from ..bench import quant_engine
 
+        if args.calibration is not None and not args.gptq:
+            raise BenchOptionError("--calibration is for 'quant --gptq' (with or without --engine)")
+
         rows, _speed, paths = quant_engine.run(args.engine, args.model, args.out, inputs=8 if args.quick else 24,
                                                rounds=args.rounds or (3 if args.quick else 15),
-                                               progress=not args.quiet, text=args.text)
+                                               progress=not args.quiet, text=args.text, gptq=args.gptq,
+                                               calibration=args.calibration or "bundled")
         return rows, paths
     from ..bench import quant
 

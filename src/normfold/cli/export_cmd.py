@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from .export_int import check_int_weights_onnx
 from .ui import Steps, sci, table
 
 DESCRIPTION = """\
@@ -37,6 +38,26 @@ examples:
   normfold export ./gpt2-rms --onnx gpt2-rms.onnx --opset 18       decomposed norms (older runtimes)
   normfold export ./gpt2-rms --onnx gpt2-rms.onnx --original ./my-gpt2 --optimize
   normfold export ./gpt2-rms --ctranslate2 ./gpt2-rms-ct2 --quantization int8
+  normfold export ./gpt2-rms --ctranslate2 ./ct2-gptq --quantization int8 --int-weights gptq-reduced \\
+      --calibration calib.txt                                    GPTQ int8 rows within ±63
+  normfold export ./gpt2-rms --onnx m-int4.onnx --quantize int4 --int-weights gptq --calibration calib.txt \\
+      --block-size 64 --asymmetric                               GPTQ 4-bit weights in MatMulNBits
+
+integer weights (--int-weights WHO):
+  engine            CTranslate2 int8 (default there): the engine rounds each output row (absmax, ±127)
+  normfold          normfold rounds to nearest in the model's own (e.g. rotated) basis: CTranslate2 int8
+                    rows (±127), or ONNX int4 blocks (the default of --quantize int4)
+  normfold-reduced  CTranslate2: the same within ±63; AVX2 int8 GEMMs without VNNI add pairs of u8 x s8
+                    products in int16 with saturation, and 2 x 255 x 63 fits where 2 x 255 x 127 does not
+  gptq              GPTQ (Frantar et al., arXiv:2210.17323): each column's rounding error is compensated
+                    on the columns not yet rounded, using the inverse Hessian X^T X of the layer's inputs
+                    on --calibration text; layer by layer (each block calibrated on the blocks before it
+                    already quantized), act-order, every linear (ONNX: a tied head stays float).
+                    CTranslate2 int8: one scale per output row, ±127; ONNX int4 (--quantize int4):
+                    MatMulNBits blocks of --block-size columns, symmetric or --asymmetric. The integers in the file are GPTQ's
+                    own levels; the export prints GPTQ's layer error against round-to-nearest's and the
+                    engine's output against the model with the dequantized weights
+  gptq-reduced      CTranslate2 int8: GPTQ on the ±63 grid (no int16 saturation, as normfold-reduced)
 
 exit codes: 0 ok, 1 the ONNX model's outputs differ from PyTorch's beyond tolerance,
             2 bad input (missing onnx packages, an opset that cannot express the model; nothing written)
@@ -44,6 +65,8 @@ exit codes: 0 ok, 1 the ONNX model's outputs differ from PyTorch's beyond tolera
 
 # ONNX against the PyTorch model it was exported from, relative to the largest output value
 # (measured: ~1e-6 in float32, onnxruntime's kernels round differently from torch's).
+INT_WEIGHTS = ("engine", "normfold", "normfold-reduced", "gptq", "gptq-reduced")
+
 TOLERANCE = {"float32": 1e-4, "float64": 1e-9, "bfloat16": 3e-2, "float16": 1e-2}
 
 
@@ -60,10 +83,23 @@ def add_parser(sub) -> None:
                         "normfold's 4-bit weights (blocks of 32 input columns); the error is reported")
     p.add_argument("--quantization", default="float32", metavar="TYPE",
                    help="CTranslate2 weight type: float32 (default), int8, int8_float32, int16, float16, bfloat16")
-    p.add_argument("--int-weights", choices=("engine", "normfold", "normfold-reduced"), default="engine",
-                   help="CTranslate2 int8: who rounds the weights: the engine (default), normfold (per-row "
-                        "round-to-nearest in the model's own, e.g. rotated, basis; written as weight + weight_scale), "
-                        "or normfold within ±63 (no int16 saturation in AVX2 int8 GEMMs without VNNI)")
+    p.add_argument("--int-weights", choices=INT_WEIGHTS, default=None, metavar="WHO",
+                   help="who computes the integer weights (see 'integer weights' below): engine, normfold, "
+                        "normfold-reduced, gptq, gptq-reduced")
+    p.add_argument("--calibration", metavar="FILE|bundled", default=None,
+                   help="--int-weights gptq*: calibration text, a UTF-8 file tokenized with DIR's tokenizer.json, "
+                        "or 'bundled' (KJV chapters of the bundled model's training split; its tokenizer only)")
+    p.add_argument("--calibration-windows", type=int, default=16, metavar="N",
+                   help="--int-weights gptq*: windows of 256 calibration tokens (default 16)")
+    p.add_argument("--block-size", type=int, choices=(32, 64, 128), default=32,
+                   help="--quantize int4: input columns per 4-bit scale (default 32); with gptq, a linear whose "
+                        "input width it does not divide gets one scale per output row")
+    p.add_argument("--asymmetric", action="store_true",
+                   help="--quantize int4 --int-weights gptq: levels 0..15 with a zero point per block "
+                        "(default symmetric, -7..7)")
+    p.add_argument("--weight-clip", action="store_true",
+                   help="--int-weights gptq*: search each row's range ratio (1.0 .. 0.5) on the calibration "
+                        "Hessian before GPTQ")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 23: the first with RMSNormalization)")
     p.add_argument("--original", nargs="?", const="", default=None, metavar="MODEL",
                    help="also export the source model (default: the `source` in DIR's normfold.json) and "
@@ -122,7 +158,12 @@ def _export_checked(model, inputs, out, args, steps, label):
             from ..engines import ort_quant
 
             steps.note(f"quantizing to {args.quantize} after the float check")
-            ort_quant.quantize_file(tmp / out.name, args.quantize)
+            kw = {}
+            if args.quantize == "int4":
+                kw = {"block_size": args.block_size}
+                if getattr(args, "gptq_table", None) is not None:
+                    kw["weights"] = args.gptq_table.lookup
+            ort_quant.quantize_file(tmp / out.name, args.quantize, **kw)
             info.op_counts = deploy.op_counts(tmp / out.name)
             info.quantized = deploy.run_onnx(tmp / out.name, info, inputs)
         for f in tmp.iterdir():  # the model and its external data file, if any
@@ -156,8 +197,9 @@ def run(args) -> int:
     from ..verify import CENTERED_OUTPUTS
 
     deploy.require_onnx()
-    if args.quantization != "float32" or args.int_weights != "engine":
-        raise NormfoldError("--quantization and --int-weights are CTranslate2 options; with --onnx use --quantize")
+    if args.quantization != "float32":
+        raise NormfoldError("--quantization is a CTranslate2 option; with --onnx use --quantize")
+    check_int_weights_onnx(args)
     args.opset = deploy.DEFAULT_OPSET if args.opset is None else args.opset
     deploy.check_opset(args.opset)  # before any model is loaded: a refusal costs nothing
     out = Path(args.onnx)
@@ -168,7 +210,7 @@ def run(args) -> int:
             raise OutputExistsError(f"{t} exists (use --force to overwrite)")
         if not t.parent.is_dir():
             raise NormfoldError(f"{t.parent}: no such directory for the ONNX file")
-    steps = Steps(total=2 + 2 * (args.original is not None) + 1, quiet=args.quiet)
+    steps = Steps(total=2 + 2 * (args.original is not None) + 1 + (args.int_weights == "gptq"), quiet=args.quiet)
     steps.start("load", f"loading {args.model}")
     from .model_input import load_model
 
@@ -184,6 +226,16 @@ def run(args) -> int:
         original, _ = io.load_source(source)
         original.eval()
     inputs = _inputs(model, args, args.model)
+    float_model, gptq_res = model, None
+    if args.int_weights == "gptq":
+        from .export_int import gptq
+
+        from ..engines.intweights import tied_head
+
+        head = tied_head(model)  # stays float, as in the RTN int4 file (its weight is the embedding's transpose)
+        gptq_res = gptq(args, model, steps, bits=4, group_size=args.block_size, symmetric=not args.asymmetric,
+                        skip=[head] if head else [])
+        model, args.gptq_table = gptq_res.model, gptq_res.table  # exported: the dequantized GPTQ weights
     centered = tuple(getattr(report, "centered_outputs", None) or ()) or CENTERED_OUTPUTS
     info, got, want = _export_checked(model, inputs, out, args, steps, "model")
     dtype = str(working_dtype(model)).replace("torch.", "")
@@ -192,7 +244,20 @@ def run(args) -> int:
               "optimized": args.optimize, "ops": info.op_counts,
               "onnx_vs_pytorch": _diff(got, want, ())}
     if args.quantize:
-        result["quantized_vs_pytorch"] = _diff(info.quantized, want, ())
+        result["int_weights"] = args.int_weights
+        if gptq_res is None:
+            result["quantized_vs_pytorch"] = _diff(info.quantized, want, ())
+        else:
+            import torch
+
+            from ..verify import flatten_outputs
+            from .export_int import gptq_summary
+
+            with torch.no_grad():
+                want_float = flatten_outputs(float_model(**inputs, **deploy.call_kwargs(float_model)))
+            result["quantized_vs_pytorch"] = _diff(info.quantized, want_float, ())
+            result["quantized_vs_dequantized"] = _diff(info.quantized, want, ())
+            result["gptq"] = gptq_summary(gptq_res, args, 4, args.block_size, not args.asymmetric)
     if original is not None:
         oinfo, ogot, owant = _export_checked(original, inputs, orig_out, args, steps, "original")
         result["original"] = {"onnx": str(orig_out), "ops": oinfo.op_counts,
@@ -220,6 +285,9 @@ def _print(args, result: dict) -> None:
     if "quantized_vs_pytorch" in result:
         rows.append(_row(f"ONNX {result['quantize']} vs PyTorch, converted (not checked)",
                          result["quantized_vs_pytorch"]))
+    if "quantized_vs_dequantized" in result:
+        rows.append(_row(f"ONNX {result['quantize']} vs PyTorch, GPTQ weights dequantized",
+                         result["quantized_vs_dequantized"]))
     if "original" in result:
         rows.append(_row("ONNX converted vs PyTorch original", result["onnx_vs_original_pytorch"]))
         rows.append(_row("ONNX original vs PyTorch original", result["original"]["onnx_vs_pytorch"]))
@@ -230,5 +298,9 @@ def _print(args, result: dict) -> None:
           f"{', ' + ', '.join(f'{v} {k}' for k, v in sorted(norms.items())) if norms else ''}"
           f"{', dynamic batch/sequence' if result['dynamic'] else ', static shapes'}"
           f"{', optimized' if result['optimized'] else ''}")
+    if "gptq" in result:
+        from .export_int import print_gptq
+
+        print_gptq(result["gptq"])
     print(f"  {'PASS' if result['passed'] else 'FAIL'}: ONNX within {result['tolerance']:.0e} of PyTorch "
           f"({result['dtype']})")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from .export_int import GPTQ, check_int_weights_ct2
 from .ui import Steps, sci, table
 
 # CTranslate2 against the PyTorch model, relative to the largest logit (measured ~1e-7 in float32).
@@ -41,26 +42,39 @@ def run_ct2(args) -> int:
 
     ct2.require_ctranslate2()
     ct2.check_quantization(args.quantization)
-    if args.int_weights != "engine" and not args.quantization.startswith("int8"):
-        raise ct2.CTranslate2Error(f"--int-weights normfold writes int8 weights: use --quantization int8 or "
-                                   f"int8_float32, not {args.quantization}")
+    check_int_weights_ct2(args)
     if args.original is not None or args.optimize or args.opset is not None or args.static or args.quantize:
         raise ct2.CTranslate2Error("--original, --optimize, --opset, --static and --quantize are ONNX options; "
                                    "not used with --ctranslate2")
     out = check_output_dir(args.ctranslate2, args.force)
-    steps = Steps(total=4, quiet=args.quiet)
+    steps = Steps(total=4 + (args.int_weights in GPTQ), quiet=args.quiet)
     steps.start("load", f"loading {args.model}")
     model, report = load_model(args.model)
     model.eval()
     if model.dtype != torch.float32:
         model = model.float()
+    float_model, gptq_res = model, None
+    own = {"normfold": "rtn", "normfold-reduced": "rtn-reduced"}.get(args.int_weights)
+    if args.int_weights in GPTQ:
+        from ..engines.intweights import calibration_forward
+        from ..quant import from_quantized
+        from .export_int import gptq
+
+        ct2.check_family(model)  # refuse before calibrating
+        calibration_forward(model)
+        bits = 8 if args.int_weights == "gptq" else 7  # 7: the ±63 grid, stored as int8
+        gptq_res = gptq(args, model, steps, bits=bits, group_size=None, symmetric=True)
+        model = gptq_res.model
+
+        def own(w, _t=gptq_res.table):
+            return from_quantized(_t.lookup(w))
     steps.start("layout", "laying the model out as a CTranslate2 spec")
     tokenizer = _tokenizer(args.model)
     spec = ct2.build_spec(model, report, tokenizer)  # refuses a family before anything is written
     files = ModelDir(args.model).auxiliary_files() if Path(args.model).is_dir() else []
     steps.start("write", f"writing {out} ({args.quantization})")
     ct2.write(spec, out, args.quantization, files=files, force=args.force,
-              own_weights={"normfold": "rtn", "normfold-reduced": "rtn-reduced"}.get(args.int_weights))
+              own_weights=own)
     steps.start("run", "running it in CTranslate2 and the model in PyTorch")
     gen = torch.Generator().manual_seed(args.seed)
     ids = None
@@ -70,7 +84,7 @@ def run_ct2(args) -> int:
         ids = text_inputs(args.model, args.text)["input_ids"]
     inputs = ct2.check_inputs(model, spec.kind, gen, ids=ids)
     got = ct2.engine_logits(out, spec.kind, inputs)
-    want = ct2.torch_logits(model, spec.kind, inputs)
+    want = ct2.torch_logits(float_model, spec.kind, inputs)
     result = {"ctranslate2": str(out), "quantization": args.quantization, "kind": spec.kind,
               "int_weights": args.int_weights, "layer_norm_epsilon": spec.eps,
               "streams": spec.streams, "centred_tables": spec.centred_tables,
@@ -78,8 +92,13 @@ def run_ct2(args) -> int:
               "vocabulary": "tokenizer" if tokenizer is not None else "placeholder tokens <i> (no tokenizer in DIR)",
               "bytes": ct2.model_bytes(out), "ct2_vs_pytorch": ct2.compare(got, want, spec.kind),
               "tolerance": TOLERANCE}
+    if gptq_res is not None:
+        from .export_int import gptq_summary
+
+        result["ct2_vs_dequantized"] = ct2.compare(got, ct2.torch_logits(model, spec.kind, inputs), spec.kind)
+        result["gptq"] = gptq_summary(gptq_res, args, 8 if args.int_weights == "gptq" else 7, None, True)
     if spec.kind == "generator":
-        result["greedy_equal"] = ct2.greedy_equal(out, model, inputs)
+        result["greedy_equal"] = ct2.greedy_equal(out, float_model, inputs)
     steps.end()
     exact = args.quantization == "float32"
     passed = (result["ct2_vs_pytorch"]["max_rel_error"] <= TOLERANCE and result.get("greedy_equal", True)) \
@@ -98,7 +117,16 @@ def _print(args, result: dict) -> None:
     top1 = d.get("top1_agreement")
     rows = [["CTranslate2 vs PyTorch", sci(d["max_abs_error"]), sci(d["max_rel_error"]),
              "" if top1 is None else f"top-1 agreement {100 * top1:.2f}%"]]
+    if "ct2_vs_dequantized" in result:
+        d = result["ct2_vs_dequantized"]
+        top1 = d.get("top1_agreement")
+        rows.append(["CTranslate2 vs PyTorch, GPTQ weights dequantized", sci(d["max_abs_error"]),
+                     sci(d["max_rel_error"]), "" if top1 is None else f"top-1 agreement {100 * top1:.2f}%"])
     print(table(rows, header=["check", "max abs", "max rel", ""]))
+    if "gptq" in result:
+        from .export_int import print_gptq
+
+        print_gptq(result["gptq"])
     forms: dict[str, int] = {}
     for n in result["norms"]:
         forms[n["form"]] = forms.get(n["form"], 0) + 1

@@ -343,10 +343,12 @@ def build_spec(model: nn.Module, report=None, tokenizer=None) -> Ct2Spec:
     return out
 
 
-def set_own_int8(spec, method: str = "rtn") -> int:
+def set_own_int8(spec, method="rtn") -> int:
     """Replace every int8 linear weight of an optimized spec by normfold's int8 rows (`weight` int8 +
     `weight_scale`, the engine's multiplier 1 / scale); returns how many. The float weights must have been
-    kept by `_keep_float_weights` before `spec.optimize("int8...")`."""
+    kept by `_keep_float_weights` before `spec.optimize("int8...")`. `method`: a name registered in
+    `normfold.quant.integer.METHODS`, or a callable (float weight [out, in] → IntWeight), e.g. a GPTQ
+    `RowTable` lookup (`normfold.engines.intweights`)."""
     import numpy as np
     from ctranslate2.specs import common_spec, model_spec
 
@@ -358,7 +360,10 @@ def set_own_int8(spec, method: str = "rtn") -> int:
         nonlocal count
         w = vars(layer).get("_nf_float")
         if isinstance(layer, common_spec.LinearSpec) and w is not None and _is_int8(layer.weight):
-            iw = quantize_weight(w, bits=8, method=method)
+            iw = quantize_weight(w, bits=8, method=method) if isinstance(method, str) else method(w)
+            if iw.group_size is not None or iw.q.shape != w.shape:
+                raise CTranslate2Error("CTranslate2 int8 stores one scale per output row: per-group weights "
+                                       "cannot be written")
             layer.weight = model_spec.NumpyVariable(iw.q.numpy())
             layer.weight_scale = model_spec.NumpyVariable((1.0 / iw.scale).numpy().astype(np.float32))
             count += 1
@@ -383,10 +388,11 @@ def _keep_float_weights(spec) -> None:
 
 
 def write(ct2: Ct2Spec, out: str | os.PathLike, quantization: str = "float32", *, files=(), force: bool = False,
-          own_weights: str | None = None) -> Path:
+          own_weights=None) -> Path:
     """Validate, quantize and save the spec to directory `out` atomically (temp dir beside it, then rename).
-    `files` are copied into it (tokenizer files). `own_weights` ("rtn", or a registered method) writes
-    normfold's int8 weights instead of the engine's (int8 types only)."""
+    `files` are copied into it (tokenizer files). `own_weights` ("rtn", a registered method, or a callable
+    float weight → IntWeight such as a GPTQ row table's) writes normfold's int8 weights instead of the
+    engine's (int8 types only); nothing is written if one fails."""
     from ..io.atomic import check_output_dir, output_lock, staged_dir
 
     check_quantization(quantization)
@@ -407,6 +413,47 @@ def write(ct2: Ct2Spec, out: str | os.PathLike, quantization: str = "float32", *
         spec.save(str(tmp))
         for f in files:
             shutil.copy2(f, tmp / Path(f).name)
+    return out
+
+
+def read_variables(path) -> dict:
+    """The variables of a written CTranslate2 model (`model.bin`, the format its `ModelSpec.save` writes) as
+    {name: numpy array}; aliases map to their target's array. For checking what a file holds."""
+    import struct
+
+    import numpy as np
+
+    dtypes = (np.float32, np.int8, np.int16, np.int32, np.float16, None)  # bfloat16: raw uint16 below
+    data = (Path(path) / "model.bin").read_bytes()
+    pos = 0
+
+    def take(fmt):
+        nonlocal pos
+        vals = struct.unpack_from(fmt, data, pos)
+        pos += struct.calcsize(fmt)
+        return vals[0]
+
+    def string():
+        nonlocal pos
+        n = take("H")
+        s = data[pos:pos + n - 1].decode("utf-8")
+        pos += n
+        return s
+
+    take("I")
+    string()
+    take("I")
+    out = {}
+    for _ in range(take("I")):
+        name = string()
+        shape = [take("I") for _ in range(take("B"))]
+        dt = dtypes[take("B")] or np.uint16
+        nbytes = take("I")
+        out[name] = np.frombuffer(data[pos:pos + nbytes], dtype=dt).reshape(shape)
+        pos += nbytes
+    for _ in range(take("I")):
+        alias = string()
+        out[alias] = out.get(string())
     return out
 
 

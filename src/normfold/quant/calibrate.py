@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from ..algebra import is_linear_reader, layout_of
-from .gptq import QuantizedWeight, gptq_quantize, rtn_quantize
+from .gptq import QuantizedWeight, gptq_quantize, objective, rtn_quantize
 
 
 class _Stop(Exception):
@@ -121,17 +121,21 @@ def hessians_of(model: nn.Module, modules: dict[str, nn.Module], batches, forwar
 def quantize_model(model: nn.Module, batches: list, *, method: str = "gptq", bits: int = 4,
                    group_size: int | None = None, symmetric: bool = True, act_order: bool = False,
                    damp: float = 0.01, clip=None, skip: Iterable[str] = (), bits_of: dict[str, int] | None = None,
-                   forward: Callable = _forward, say=None) -> dict[str, QuantizedWeight]:
+                   forward: Callable = _forward, say=None,
+                   objectives: dict[str, tuple[float, float]] | None = None) -> dict[str, QuantizedWeight]:
     """Quantize `model`'s linear weights in place (dequantized values written back), block by block on the
     calibration `batches` (`forward(model, batch)` runs one; default `model(input_ids=batch)`).
     method "gptq" or "rtn" (round-to-nearest; calibration is used only by a `clip` search). `bits_of`
     overrides `bits` per linear path; `skip` leaves linears unquantized. Returns {path: QuantizedWeight}
     in the (out, in) layout. A linear whose weight is tied to another parameter (an LM head tied to the
-    embedding) is untied first: only the linear is quantized, the embedding stays float."""
+    embedding) is untied first: only the linear is quantized, the embedding stays float. `objectives`, when
+    given a dict, receives per linear (the method's ‖XWᵀ − XŴᵀ‖², round-to-nearest's on the same Hessian
+    and grid settings, no clip) — the calibrated path only."""
     if method not in ("gptq", "rtn"):
         raise ValueError(f"method must be 'gptq' or 'rtn', got {method!r}")
     mods = quantizable_linears(model, skip)
     untie(model, mods)
+    clear_zero_mean(model)
     out: dict[str, QuantizedWeight] = {}
     if method == "rtn" and not clip:
         for n, m in mods.items():
@@ -160,10 +164,27 @@ def quantize_model(model: nn.Module, batches: list, *, method: str = "gptq", bit
                                    damp=damp, clip=clip)
             else:
                 qw = rtn_quantize(w, bits=b, group_size=gs, symmetric=symmetric, hessian=h, clip=clip)
+            if objectives is not None:
+                ref = rtn_quantize(w, bits=b, group_size=gs, symmetric=symmetric)
+                objectives[n] = (objective(w.detach(), qw.dequantize(torch.float64), h),
+                                 objective(w.detach(), ref.dequantize(torch.float64), h))
             set_weight_matrix(m, qw.dequantize(torch.float64))
             out[n] = qw
         del hs
     return out
+
+
+def clear_zero_mean(model: nn.Module) -> list[str]:
+    """Quantized weights are not column-centred: the residual stream of a converted model is no longer exactly
+    zero-mean, so its norms must not take the LayerNorm route (`RMSNorm.zero_mean_input`, which subtracts the
+    mean on small inputs) and compute RMSNorm on every input, as the deployment engines do. Returns the norms
+    changed."""
+    done = []
+    for n, m in model.named_modules():
+        if getattr(m, "zero_mean_input", False):
+            m.zero_mean_input = False
+            done.append(n)
+    return done
 
 
 def _fit(group_size: int | None, module: nn.Module) -> int | None:
@@ -174,5 +195,5 @@ def _fit(group_size: int | None, module: nn.Module) -> int | None:
     return group_size if cols % group_size == 0 else None
 
 
-__all__ = ["quantize_model", "untie", "quantizable_linears", "hessians_of", "block_of", "weight_matrix",
+__all__ = ["quantize_model", "untie", "clear_zero_mean", "quantizable_linears", "hessians_of", "block_of", "weight_matrix",
            "set_weight_matrix"]
