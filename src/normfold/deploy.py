@@ -139,6 +139,38 @@ def _export(flat: FlatModel, args: tuple, opset: int, dynamic: bool):
                                  dynamic_shapes=_dynamic_shapes(args) if dynamic else None)
 
 
+def broadcast_rotary_caches(model) -> int:
+    """Give every standard `RotaryEmbedding` node of `model` (an onnx_ir Model) cos / sin caches with the
+    batch size of its input. Returns the number of nodes changed.
+
+    At opset 23 the exporter's optimizer (onnxscript's opset-23 fusions) replaces transformers' rotary
+    arithmetic (GPT-NeoX/Pythia, Phi, ...) by the RotaryEmbedding op. transformers computes cos / sin
+    from position ids of batch 1 and lets them broadcast over the batch; the op does not broadcast
+    (onnxruntime: "Inputs 'cos_cache' and 'sin_cache' are expected to have the same shape as input
+    'x'"), so such a graph failed on any batch above 1. Each cache is expanded to
+    (batch of x, sequence, rotary width / 2) in front of the node; the op's numbers are unchanged."""
+    import onnx_ir as ir
+
+    changed = 0
+    for graph in (model.graph, *model.functions.values()):
+        for node in list(graph):
+            if node.op_type != "RotaryEmbedding" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 3:
+                continue
+            if len(node.inputs) > 3 and node.inputs[3] is not None:  # position_ids given: caches are tables
+                continue
+            x, cos, sin = node.inputs[:3]
+            batch = ir.node("Shape", [x], {"start": 0, "end": 1})
+            rest = ir.node("Shape", [cos], {"start": 1})
+            shape = ir.node("Concat", [batch.outputs[0], rest.outputs[0]], {"axis": 0})
+            cos_b = ir.node("Expand", [cos, shape.outputs[0]])
+            sin_b = ir.node("Expand", [sin, shape.outputs[0]])
+            graph.insert_before(node, [batch, rest, shape, cos_b, sin_b])
+            node.replace_input_with(1, cos_b.outputs[0])
+            node.replace_input_with(2, sin_b.outputs[0])
+            changed += 1
+    return changed
+
+
 def export_onnx(model: nn.Module, inputs: dict, path, opset: int = DEFAULT_OPSET, dynamic: bool = True) -> OnnxExport:
     """Export `model` (called as model(**inputs)) to an ONNX file at `path` with torch's dynamo exporter.
 
@@ -165,6 +197,7 @@ def export_onnx(model: nn.Module, inputs: dict, path, opset: int = DEFAULT_OPSET
     if written != opset:
         raise ExportError(f"asked for opset {opset}, the exporter wrote {written}: the model cannot be "
                           f"expressed in opset {opset}; use --opset {written}")
+    broadcast_rotary_caches(program.model)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     program.save(str(path))
