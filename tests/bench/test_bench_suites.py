@@ -1,6 +1,7 @@
 """The e2e, convert and GPU-ops benchmark suites run end to end on tiny settings (no timing assertions)."""
 
 import csv
+import math
 
 import pytest
 import torch
@@ -30,9 +31,10 @@ def test_e2e_runs_and_writes_table3_layout(tmp_path):
         assert r["rms_vs_ln"] in ("faster", "same", "slower") and r["aa_vs_ln"] in ("faster", "same", "slower")
         assert r["rmsnorm/ln_q25"] <= r["rmsnorm/ln"] <= r["rmsnorm/ln_q75"] and r["aa/ln"] > 0
         assert r["rounds"] == 2
-        # norm time from hooks: Pre-LN's norms are part of its forward, and both variants were timed
-        assert 0 < r["ln_norm_ms"] < r["layernorm_ms"] and r["rms_norm_ms"] > 0
-        assert 0 < r["ln_norm_share"] < 1 and r["norm rms/ln"] > 0
+        # norm time from hooks, measured for both variants. Not compared with the forward's time: the two are
+        # separate 2-round timings, and on a loaded machine the hooks' sum passed the forward (13.8 vs 4.7 ms)
+        assert r["ln_norm_ms"] > 0 and r["layernorm_ms"] > 0 and r["rms_norm_ms"] > 0
+        assert math.isfinite(r["ln_norm_share"]) and r["ln_norm_share"] > 0 and r["norm rms/ln"] > 0
     md = paths["md"].read_text()
     assert "Table 3 layout" in md and "| cpu, bfloat16, eager | 1 |" in md and "Machine:" in md
     assert "Pre-LN copy (A/A)" in md and "A/A flagged" in md and "norms in Pre-LN forward" in md
